@@ -1,0 +1,6 @@
+"""jagged_attn: varlen (jagged) MXFP8 attention, forward and backward, for ragged batches."""
+
+from .mxfp8 import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8
+
+__all__ = ["MXFP8Jagged", "quantize_mxfp8", "dequantize_mxfp8"]
+__version__ = "0.1.0"

@@ -1,0 +1,97 @@
+"""The MXFP8 format rules: element type, block size, and the shared-scale rounding rule.
+
+Elements are ``float8_e4m3fn`` (round to nearest even, saturating at +-448); every block of 32
+consecutive elements along the quantization axis shares one ``2^e`` scale stored as an E8M0
+biased-exponent byte (bias 127). Two rules pick ``e`` from the block's absolute maximum:
+
+* ``rceil`` (default; cuBLAS, Transformer Engine, ``cvt.rp.ue8m0x2.f32``):
+  ``e = ceil(log2(amax / 448))``, computed on float bits so it is exact.
+* ``floor`` (OCP MX v1.0): ``e = floor(log2(amax)) - 8``; elements are then clamped to +-448.
+
+Bytes are clamped to [0, 254]; ``amax == 0`` gives byte 0. The byte functions are plain integer
+arithmetic so the same source runs on Python ints, torch tensors and inside Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+BLOCK_SIZE = 32
+E8M0_BIAS = 127
+ROUNDINGS = ("rceil", "floor")
+# P = exp(s - rowmax) lies in (0, 1]; it is multiplied by 2^P_STATIC_EXP before the e4m3 cast.
+P_STATIC_EXP = 8
+
+
+def rceil_scale_byte(bits):
+    """E8M0 byte from the fp32 bit pattern of ``amax / 448`` (non-negative, finite)."""
+    e = (bits + 0x7FFFFF) >> 23
+    return e - e // 255  # 255 would be NaN: clamp to 254
+
+
+def floor_scale_byte(bits):
+    """E8M0 byte from the fp32 bit pattern of ``amax`` (non-negative, finite)."""
+    e = (bits >> 23) - 8
+    return e * (e > 0)
+
+
+def check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    return rounding
+
+
+def scale_bytes(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
+    """int32 E8M0 bytes for float32 block maxima ``amax`` (>= 0, finite)."""
+    amax = amax.to(torch.float32)
+    if check_rounding(rounding) == "rceil":
+        return rceil_scale_byte((amax / E4M3_MAX).view(torch.int32))
+    return floor_scale_byte(amax.view(torch.int32))
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact ``2.0 ** exponent`` (float64) for integer exponents in [-1022, 1023]."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast to float8_e4m3fn (clamp first: older torch wraps)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_with_bytes(x: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
+    """Elements ``x`` divided by ``2^(byte - 127)`` (broadcast) and cast to e4m3."""
+    scaled = (x.to(torch.float64) * pow2(E8M0_BIAS - byte)).to(torch.float32)
+    return cast_e4m3(scaled)
+
+
+def dequantize_with_bytes(data: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
+    """float32 ``data * 2^(byte - 127)`` (broadcast)."""
+    return (data.to(torch.float64) * pow2(byte.to(torch.int64) - E8M0_BIAS)).to(torch.float32)
+
+
+def quantize_blocks(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., n_blocks, 32]`` blocks; returns (e4m3 data, int32 bytes ``[..., n_blocks]``)."""
+    byte = scale_bytes(x.abs().amax(-1), rounding)
+    return quantize_with_bytes(x, byte.unsqueeze(-1)), byte
+
+
+def quantize_p(p: torch.Tensor) -> torch.Tensor:
+    """P in [0, 1] -> the fp32 value its e4m3 copy (static scale 2^8) stands for."""
+    return cast_e4m3(p * 2.0**P_STATIC_EXP).to(torch.float32) * 2.0**-P_STATIC_EXP
+
+
+def fake_quantize_square_tiles(x: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
+    """``[..., M, N]`` -> float32 values after MXFP8 quantization in 32x32 square tiles.
+
+    One scale per tile (partial edge tiles zero-padded for the amax), so the same bytes and scale
+    serve the matrix and its transpose: the dS rule of the backward.
+    """
+    *lead, m, n = x.shape
+    pm, pn = -m % BLOCK_SIZE, -n % BLOCK_SIZE
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, pn, 0, pm))
+    tiles = padded.reshape(*lead, (m + pm) // BLOCK_SIZE, BLOCK_SIZE, (n + pn) // BLOCK_SIZE, BLOCK_SIZE)
+    byte = scale_bytes(tiles.abs().amax(dim=(-3, -1), keepdim=True), rounding)
+    values = dequantize_with_bytes(quantize_with_bytes(tiles, byte), byte)
+    return values.reshape(*padded.shape)[..., :m, :n]

@@ -1,0 +1,211 @@
+"""``MXFP8Jagged``: jagged FP8 values at their unpadded offsets plus tiled E8M0 scales.
+
+Two quantization axes (DESIGN.md section 3-4):
+
+* ``"feature"``: 32-element blocks along head_dim. Scale matrix per head: rows = tokens at their
+  padded rows ``(offsets[b] // 128 + b) * 128 + i`` (``padded_total`` rows), columns = D/32 blocks.
+* ``"sequence"``: 32-token blocks inside each sequence (never crossing a sequence boundary; a
+  partial last block is zero-padded for the amax). Scale matrix per head: rows = D channels,
+  sequence ``b``'s blocks start at column ``(offsets[b] // 128 + b) * 4`` (``padded_total / 32``
+  columns).
+
+Each head's matrix is stored cut into 128x4 tiles (``scale_layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import mx_format
+from .mx_format import BLOCK_SIZE
+from .offsets import (
+    padded_rows_of_tokens,
+    padded_total,
+    sequence_ids,
+    single_sequence_offsets,
+    validate_offsets,
+)
+from .scale_layout import from_tiles, tiled_bytes, to_tiles, TILE_ROWS
+
+AXES = ("feature", "sequence")
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MXFP8Jagged:
+    """A jagged MXFP8 tensor.
+
+    Attributes:
+        data: float8_e4m3fn, ``[total, heads, D]`` or ``[total, D]`` (the input's shape).
+        scales: float8_e8m0fnu, ``[heads, tiled bytes]`` (one implicit head for 2-D data).
+        offsets: int32/int64 ``[B + 1]``.
+        axis: ``"feature"`` or ``"sequence"``.
+        rounding: ``"rceil"`` or ``"floor"`` (how the scales were chosen).
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    axis: str
+    rounding: str = "rceil"
+
+    def __post_init__(self):
+        check_mxfp8(self)
+
+    @property
+    def total(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.data.shape[1] if self.data.dim() == 3 else 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[-1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def scale_matrix_shape(self) -> tuple[int, int]:
+        """(rows, columns) of each head's scale matrix before tiling."""
+        return scale_matrix_shape(self.axis, self.total, self.batch_size, self.head_dim)
+
+    def scale_matrix(self) -> torch.Tensor:
+        """uint8 ``[heads, rows, columns]``: the scale bytes untiled (padding rows/columns kept)."""
+        return from_tiles(self.scales.view(torch.uint8), *self.scale_matrix_shape())
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 tensor shaped like ``data``: every element times its block's scale."""
+        return dequantize_mxfp8(self)
+
+    def to(self, device) -> "MXFP8Jagged":
+        return MXFP8Jagged(
+            self.data.to(device), self.scales.to(device), self.offsets.to(device), self.axis, self.rounding
+        )
+
+
+def scale_matrix_shape(axis: str, total: int, batch: int, head_dim: int) -> tuple[int, int]:
+    """(rows, columns) of one head's scale matrix for the given axis."""
+    if axis == "feature":
+        return padded_total(total, batch), head_dim // BLOCK_SIZE
+    return head_dim, padded_total(total, batch) // BLOCK_SIZE
+
+
+def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
+    """Validate the fields of an MXFP8Jagged (dtypes, shapes, offsets)."""
+    if mx.axis not in AXES:
+        raise ValueError(f"{name}.axis must be one of {AXES}, got {mx.axis!r}")
+    mx_format.check_rounding(mx.rounding)
+    if mx.data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}.data must be float8_e4m3fn, got {mx.data.dtype}")
+    if mx.scales.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"{name}.scales must be float8_e8m0fnu, got {mx.scales.dtype}")
+    if mx.data.dim() not in (2, 3) or mx.data.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"{name}.data must be [total, (heads,) D] with D a multiple of 32, got {tuple(mx.data.shape)}")
+    validate_offsets(mx.offsets, mx.data.shape[0], f"{name}.offsets")
+    heads = mx.data.shape[1] if mx.data.dim() == 3 else 1
+    rows, cols = scale_matrix_shape(mx.axis, mx.data.shape[0], mx.offsets.numel() - 1, mx.data.shape[-1])
+    expected = (heads, tiled_bytes(rows, cols))
+    if tuple(mx.scales.shape) != expected:
+        raise ValueError(f"{name}.scales must have shape {expected}, got {tuple(mx.scales.shape)}")
+    if not (mx.data.device == mx.scales.device == mx.offsets.device):
+        raise ValueError(f"{name}: data, scales and offsets must be on one device")
+
+
+def check_values(values, name: str = "values") -> None:
+    """Validate a high-precision jagged values tensor before quantizing it."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if values.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {values.dtype}")
+    if values.dim() not in (2, 3):
+        raise ValueError(f"{name} must be [total, heads, D] or [total, D], got shape {tuple(values.shape)}")
+    if values.shape[-1] == 0 or values.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"{name}: the last dimension (D = {values.shape[-1]}) must be a positive multiple of 32")
+    if values.device.type != "meta" and values.numel() and not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name} contains NaN or Inf: MX block scales are undefined for non-finite values")
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 3 else x.unsqueeze(1)
+
+
+def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str = "rceil") -> MXFP8Jagged:
+    """Quantize jagged ``values`` (``[total, heads, D]`` or ``[total, D]``) to MXFP8.
+
+    ``offsets=None`` treats the whole tensor as one sequence. ``axis="feature"`` puts the 32-blocks
+    along D (for Q and K in S = QK^T), ``axis="sequence"`` along each sequence's tokens (for V in
+    O = PV). Raises ValueError/TypeError on bad input before any work.
+    """
+    check_values(values, "values")
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+    mx_format.check_rounding(rounding)
+    total = values.shape[0]
+    if offsets is None:
+        offsets = single_sequence_offsets(total, values.device)
+    validate_offsets(offsets, total, "offsets")
+    if offsets.device != values.device:
+        raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
+    x = _as_3d(values).to(torch.float32)
+    quantize = _quantize_feature if axis == "feature" else _quantize_sequence
+    data, scales = quantize(x, offsets, rounding)
+    return MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+
+
+def _quantize_feature(x, offsets, rounding):
+    total, heads, dim = x.shape
+    data, byte = mx_format.quantize_blocks(x.reshape(total, heads, dim // BLOCK_SIZE, BLOCK_SIZE), rounding)
+    rows, cols = scale_matrix_shape("feature", total, offsets.numel() - 1, dim)
+    matrix = torch.zeros(heads, rows, cols, dtype=torch.uint8, device=x.device)
+    token_rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
+    matrix[:, token_rows, :] = byte.to(torch.uint8).permute(1, 0, 2)
+    return data.reshape(total, heads, dim), to_tiles(matrix)
+
+
+def sequence_block_columns(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``[total]``: the sequence-axis scale column of each token."""
+    return padded_rows_of_tokens(offsets, sequence_ids(offsets, total)) // BLOCK_SIZE
+
+
+def _quantize_sequence(x, offsets, rounding):
+    total, heads, dim = x.shape
+    rows, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
+    columns = sequence_block_columns(offsets, total)
+    magnitudes = x.abs().permute(1, 2, 0)  # [H, D, total]
+    amax = torch.zeros(heads, dim, cols, dtype=torch.float32, device=x.device)
+    amax.scatter_reduce_(2, columns.expand(heads, dim, total), magnitudes, "amax", include_self=True)
+    byte = mx_format.scale_bytes(amax, rounding)  # [H, D, cols]
+    token_byte = byte[:, :, columns].permute(2, 0, 1)  # [total, H, D]
+    data = mx_format.quantize_with_bytes(x, token_byte)
+    matrix = torch.zeros(heads, rows + (-rows) % TILE_ROWS, cols, dtype=torch.uint8, device=x.device)
+    matrix[:, :dim, :] = byte.to(torch.uint8)
+    return data, to_tiles(matrix[:, :rows])
+
+
+def element_scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
+    """int64 ``[total, heads, D]``: the E8M0 byte that scales each element of ``mx.data``."""
+    matrix = mx.scale_matrix().to(torch.int64)  # [H, rows, cols]
+    total, dim = mx.total, mx.head_dim
+    if mx.axis == "feature":
+        token_rows = padded_rows_of_tokens(mx.offsets, sequence_ids(mx.offsets, total))
+        per_block = matrix[:, token_rows, :].permute(1, 0, 2)  # [total, H, D/32]
+        return per_block.repeat_interleave(BLOCK_SIZE, dim=2)
+    columns = sequence_block_columns(mx.offsets, total)
+    return matrix[:, :, columns].permute(2, 0, 1)
+
+
+def dequantize_mxfp8(mx: MXFP8Jagged) -> torch.Tensor:
+    """float32 values shaped like ``mx.data``: every element times its block's scale."""
+    if not isinstance(mx, MXFP8Jagged):
+        raise TypeError(f"mx must be an MXFP8Jagged, got {type(mx).__name__}")
+    data = _as_3d(mx.data)
+    return mx_format.dequantize_with_bytes(data, element_scale_bytes(mx)).reshape(mx.data.shape)

@@ -1,0 +1,88 @@
+"""Jagged offsets: validation and every piece of index math derived from them.
+
+Convention (fbgemm's offsets, FlashAttention's ``cu_seqlens``): ``offsets`` is 1-D int32/int64 of
+length ``B + 1``, starts at 0, never decreases, and ends at the number of rows; sequence ``b`` is
+``values[offsets[b]:offsets[b + 1]]``. Zero-length sequences are legal.
+
+Scale buffers place sequence ``b`` at padded row ``(offsets[b] // 128 + b) * 128``: 128-aligned,
+never overlapping, and computable from ``offsets`` alone (no prefix sum over padded lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .scale_layout import TILE_ROWS
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def padded_seq_start(offset_b, b):
+    """First padded row of sequence ``b`` whose data starts at ``offset_b`` (ints, tensors, Triton)."""
+    return (offset_b // 128 + b) * 128
+
+
+def padded_total(total: int, batch: int) -> int:
+    """Rows of a padded buffer that holds ``batch`` sequences of ``total`` tokens in all."""
+    return (total // TILE_ROWS + batch) * TILE_ROWS
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """True for tensors without data (meta / fake tensors under torch.compile)."""
+    return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
+
+
+def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
+    """Check ``offsets`` against the jagged convention for a values tensor with ``rows`` rows."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with at least one element, got shape {tuple(offsets.shape)}")
+    if is_fake(offsets):
+        return offsets
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        raise ValueError(f"{name}[0] must be 0, got {first}")
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing")
+    if last != rows:
+        raise ValueError(f"{name}[-1] must equal the number of rows ({rows}), got {last}")
+    return offsets
+
+
+def single_sequence_offsets(rows: int, device) -> torch.Tensor:
+    """Offsets ``[0, rows]``: the whole tensor as one sequence."""
+    return torch.tensor([0, rows], dtype=torch.int64, device=device)
+
+
+def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
+    """Per-sequence lengths ``offsets[1:] - offsets[:-1]``."""
+    return offsets[1:] - offsets[:-1]
+
+
+def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 offsets ``[0, cumsum(lengths)]``."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
+    return out
+
+
+def sequence_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``[total]``: which sequence each row belongs to."""
+    lengths = lengths_of(offsets).to(torch.int64)
+    batch = torch.arange(lengths.numel(), device=offsets.device)
+    return torch.repeat_interleave(batch, lengths, output_size=total)
+
+
+def positions_in_sequence(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """int64 ``[total]``: each row's index inside its own sequence."""
+    rows = torch.arange(seq_ids.numel(), device=offsets.device)
+    return rows - offsets.to(torch.int64)[seq_ids]
+
+
+def padded_rows_of_tokens(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """int64 ``[total]``: each row's row in a padded (scale) buffer."""
+    starts = padded_seq_start(offsets.to(torch.int64)[:-1], torch.arange(offsets.numel() - 1, device=offsets.device))
+    return starts[seq_ids] + positions_in_sequence(offsets, seq_ids)
