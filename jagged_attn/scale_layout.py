@@ -5,9 +5,10 @@ tiles of ``TILE_ROWS x TILE_COLS`` bytes, stored tile after tile in row-tile-maj
 a tile, the byte of (row r, column c) sits at ``(r % 32) * 16 + (r // 32) * 4 + c`` (torch's
 ``SWIZZLE_32_4_4``, cuBLAS's "1D block scaling factors layout"). Padding bytes are 0.
 
-The two offset functions use only ``%``, ``//``, ``*`` and ``+`` on non-negative integers, so the
+The offset functions use only ``%``, ``//``, ``*`` and ``+`` on non-negative integers, so the
 same source serves Python ints, torch tensors and (wrapped with ``triton.jit``) Triton kernels.
-Triton functions cannot read module globals, hence the literal numbers inside them.
+Triton functions cannot read module globals, hence the literal numbers inside them;
+``jagged_attn.kernels.layout`` holds their Triton versions.
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ def scale_tile_offset(r, c):
     return (r % 32) * 16 + (r // 32) * 4 + c
 
 
+def scale_tile_base(row_tile, col_tile, n_col_tiles):
+    """Byte offset of tile (row_tile, col_tile) in one head's buffer (row-tile-major order)."""
+    return (row_tile * n_col_tiles + col_tile) * 512
+
+
 def scale_byte_offset(row, col, n_col_tiles):
-    """Byte offset of scale-matrix entry (row, col) in one head's tiled buffer."""
-    return ((row // 128) * n_col_tiles + col // 4) * 512 + scale_tile_offset(row % 128, col % 4)
+    """Byte offset of scale-matrix entry (row, col) in one head's tiled buffer (Python / torch)."""
+    return scale_tile_base(row // 128, col // 4, n_col_tiles) + scale_tile_offset(row % 128, col % 4)
 
 
 def num_tiles(n: int, tile: int) -> int:

@@ -1,0 +1,42 @@
+"""Compile a Triton kernel for a GPU target on a CPU-only machine and return its PTX.
+
+The tests run kernels in the Triton interpreter (TRITON_INTERPRET=1, set in conftest.py), where
+``triton.jit`` gives interpreted functions that cannot be compiled; so compilation runs in a
+fresh Python process with the interpreter off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_SCRIPT = r"""
+import json, sys, importlib
+import triton
+from triton.backends.compiler import GPUTarget
+spec = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+src = triton.compiler.ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"])
+options = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+compiled = triton.compile(src, target=GPUTarget("cuda", spec["arch"], 32), options=options)
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, arch: int = 90,
+                num_warps: int = 4, num_stages: int = 2) -> str:
+    """PTX of ``module.kernel`` compiled for ``sm_{arch}``.
+
+    ``signature`` maps every non-constexpr argument to a Triton type string (``"*fp8e4nv"``,
+    ``"i32"``, ...) and constexpr arguments to ``"constexpr"``; ``constexprs`` gives their values.
+    """
+    spec = dict(module=module, kernel=kernel, signature=signature, constexprs=constexprs, arch=arch,
+                num_warps=num_warps, num_stages=num_stages)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(spec)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"compiling {module}.{kernel} for sm_{arch} failed:\n{result.stderr[-4000:]}")
+    return result.stdout
