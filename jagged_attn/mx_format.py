@@ -15,6 +15,7 @@ arithmetic so the same source runs on Python ints, torch tensors and inside Trit
 from __future__ import annotations
 
 import torch
+import triton.language as tl  # noqa: F401  (the Triton interpreter needs it beside jit-wrapped functions)
 
 E4M3_MAX = 448.0
 BLOCK_SIZE = 32

@@ -11,6 +11,7 @@ never overlapping, and computable from ``offsets`` alone (no prefix sum over pad
 from __future__ import annotations
 
 import torch
+import triton.language as tl  # noqa: F401  (the Triton interpreter needs it beside jit-wrapped functions)
 
 from .scale_layout import TILE_ROWS
 

@@ -14,6 +14,7 @@ Triton functions cannot read module globals, hence the literal numbers inside th
 from __future__ import annotations
 
 import torch
+import triton.language as tl  # noqa: F401  (the Triton interpreter needs it beside jit-wrapped functions)
 
 TILE_ROWS = 128
 TILE_COLS = 4

@@ -5,6 +5,7 @@ torch front end calls (they are plain integer arithmetic), so there is one sourc
 """
 
 import triton
+import triton.language as tl  # noqa: F401  (the Triton interpreter needs it in scope)
 
 from jagged_attn import mx_format, offsets, scale_layout
 
