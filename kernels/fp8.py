@@ -1,0 +1,38 @@
+"""FP8 (e4m3) rounding inside Triton kernels.
+
+On a GPU the hardware cast rounds to nearest even. The Triton CPU interpreter's fp32 -> fp8 cast
+drops the rounding carry, so when interpreted we first snap the value onto the e4m3 grid with
+exact integer / fp32 arithmetic; the cast of a representable value is then exact everywhere
+(the interpreter may still turn -0.0 into +0.0: compare fp8 results by value, not by byte).
+"""
+
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+E4M3_MIN_NORMAL = 0.015625  # 2^-6
+E4M3_SUBNORMAL_STEPS = 512.0  # 1 / 2^-9, the subnormal quantum
+RNE_SHIFTER = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
+
+
+@triton.jit
+def snap_to_e4m3_grid(x):
+    """fp32 ``x`` with |x| <= 448 -> nearest e4m3 value (ties to even), still fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    keep_lsb = (bits >> 20) & 1  # lowest of the 3 mantissa bits e4m3 keeps
+    normal = ((bits + 0x7FFFF + keep_lsb) & -1048576).to(tl.float32, bitcast=True)  # clear 20 low bits
+    subnormal = ((x * E4M3_SUBNORMAL_STEPS + RNE_SHIFTER) - RNE_SHIFTER) / E4M3_SUBNORMAL_STEPS
+    return tl.where(tl.abs(x) < E4M3_MIN_NORMAL, subnormal, normal)
+
+
+@triton.jit
+def to_e4m3(x, INTERPRET: tl.constexpr):
+    """fp32 -> float8e4nv, round to nearest even, saturating at +-448.
+
+    Pass ``INTERPRET=fp8.INTERPRETED`` from the launcher.
+    """
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if INTERPRET:
+        x = snap_to_e4m3_grid(x)
+    return x.to(tl.float8e4nv)
