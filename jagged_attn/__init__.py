@@ -1,6 +1,8 @@
 """jagged_attn: varlen (jagged) MXFP8 attention, forward and backward, for ragged batches."""
 
+from .interface import jagged_attention
+from .jagged import JaggedTensor
 from .mxfp8 import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8
 
-__all__ = ["MXFP8Jagged", "quantize_mxfp8", "dequantize_mxfp8"]
+__all__ = ["JaggedTensor", "MXFP8Jagged", "quantize_mxfp8", "dequantize_mxfp8", "jagged_attention"]
 __version__ = "0.1.0"

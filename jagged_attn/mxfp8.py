@@ -21,6 +21,7 @@ import torch
 from . import mx_format
 from .mx_format import BLOCK_SIZE
 from .offsets import (
+    values_unavailable,
     padded_rows_of_tokens,
     padded_total,
     sequence_ids,
@@ -130,7 +131,7 @@ def check_values(values, name: str = "values") -> None:
         raise ValueError(f"{name} must be [total, heads, D] or [total, D], got shape {tuple(values.shape)}")
     if values.shape[-1] == 0 or values.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"{name}: the last dimension (D = {values.shape[-1]}) must be a positive multiple of 32")
-    if values.device.type != "meta" and values.numel() and not bool(torch.isfinite(values).all()):
+    if not values_unavailable(values) and values.numel() and not bool(torch.isfinite(values).all()):
         raise ValueError(f"{name} contains NaN or Inf: MX block scales are undefined for non-finite values")
 
 

@@ -28,9 +28,10 @@ def padded_total(total: int, batch: int) -> int:
     return (total // TILE_ROWS + batch) * TILE_ROWS
 
 
-def is_fake(t: torch.Tensor) -> bool:
-    """True for tensors without data (meta / fake tensors under torch.compile)."""
-    return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
+def values_unavailable(t: torch.Tensor) -> bool:
+    """True where a tensor's values cannot be read: meta / fake tensors, or while torch.compile traces
+    (value checks would break the graph; the eager call of the same code checks them)."""
+    return t.device.type == "meta" or type(t).__name__ == "FakeTensor" or torch.compiler.is_compiling()
 
 
 def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
@@ -41,7 +42,7 @@ def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
         raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must be 1-D with at least one element, got shape {tuple(offsets.shape)}")
-    if is_fake(offsets):
+    if values_unavailable(offsets):
         return offsets
     first, last = int(offsets[0]), int(offsets[-1])
     if first != 0:

@@ -1,0 +1,127 @@
+"""Attention backends: what each one runs, and which one ``backend="auto"`` picks.
+
+Every backend offers the same three entry points:
+
+* ``forward_mx(q, k, v, causal, softmax_scale, out_dtype) -> (out, lse)`` on ``MXFP8Jagged`` inputs
+  (q, k on the feature axis, v on the sequence axis);
+* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale) -> (out, lse)`` on bf16 /
+  fp16 / fp32 tensors (quantizes them first; out in q's dtype);
+* ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic)
+  -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
+
+``reference`` is the spec in plain torch (any device); ``triton`` is the fast Hopper (sm_90) path;
+``exact`` is the spec-exact ``tl.dot_scaled`` path (native block-scaled MMA on sm_100+).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .mxfp8 import quantize_mxfp8
+from .reference import reference_backward, reference_forward
+
+BACKENDS = ("auto", "reference", "triton", "exact")
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    forward_mx: Callable
+    forward_hp: Callable
+    backward: Callable
+
+
+def _reference_forward_mx(q, k, v, causal, softmax_scale, out_dtype):
+    out, lse = reference_forward(
+        q.dequantize(), k.dequantize(), v.dequantize(), q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale
+    )
+    return out.to(out_dtype), lse.to(torch.float32)
+
+
+def _quantize_inputs(q, k, v, offsets_q, offsets_k):
+    """The forward's MXFP8 operands: Q, K along head_dim, V along the sequence (RCEIL)."""
+    return (
+        quantize_mxfp8(q, offsets_q, axis="feature"),
+        quantize_mxfp8(k, offsets_k, axis="feature"),
+        quantize_mxfp8(v, offsets_k, axis="sequence"),
+    )
+
+
+def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale):
+    return _reference_forward_mx(*_quantize_inputs(q, k, v, offsets_q, offsets_k), causal, softmax_scale, q.dtype)
+
+
+def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
+    grads = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+def _kernel_backend(name: str, forward_module: str, backward_module: str) -> Backend:
+    """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use)."""
+    fwd = importlib.import_module(f"jagged_attn.kernels.{forward_module}")
+    bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
+
+    def forward_mx(q, k, v, causal, softmax_scale, out_dtype):
+        return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+
+    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale):
+        if hasattr(fwd, "attention_forward_hp"):
+            return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale)
+        mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)
+        return forward_mx(*mx, causal, softmax_scale, q.dtype)
+
+    def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
+        kwargs = dict(causal=causal, softmax_scale=softmax_scale)
+        if name == "triton":
+            kwargs["deterministic"] = deterministic
+        return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, **kwargs)
+
+    return Backend(name, forward_mx, forward_hp, backward)
+
+
+_REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward)
+_KERNEL_MODULES = {"triton": ("hopper_fwd", "hopper_bwd"), "exact": ("exact", "exact")}
+
+
+def _interpreting() -> bool:
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def check_kernel_device(name: str, device: torch.device) -> None:
+    """Raise ValueError unless backend ``name`` can run on ``device``."""
+    if name == "reference":
+        return
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        if name == "triton" and major != 9:
+            raise ValueError(f"backend='triton' is the Hopper (sm_90) path; this GPU is sm_{major}0: use 'exact'")
+        if name == "exact" and major < 9:
+            raise ValueError(f"backend='exact' needs sm_90 or newer; this GPU is sm_{major}0")
+        return
+    if device.type == "cpu" and _interpreting():
+        return  # the Triton CPU interpreter (tests)
+    raise ValueError(f"backend={name!r} needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU); use backend='reference'")
+
+
+def auto_backend_name(device: torch.device) -> str:
+    """``triton`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere."""
+    if device.type != "cuda":
+        return "reference"
+    major = torch.cuda.get_device_capability(device)[0]
+    return "triton" if major == 9 else "exact" if major >= 10 else "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    if name == "reference":
+        return _REFERENCE
+    if name not in _KERNEL_MODULES:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return _kernel_backend(name, *_KERNEL_MODULES[name])

@@ -1,0 +1,133 @@
+"""``jagged_attention``: validate, quantize if needed, dispatch to a backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backends import BACKENDS, auto_backend_name, check_kernel_device
+from .jagged import JaggedTensor
+from .mxfp8 import MXFP8Jagged, check_mxfp8, check_values
+from .offsets import validate_offsets, values_unavailable
+
+
+def _unpack(x, offsets, name):
+    """Accept a tensor (+ offsets), a JaggedTensor, fbgemm's ``(values, [offsets])`` pair or an MXFP8Jagged."""
+    if isinstance(x, JaggedTensor):
+        return x.values, x.offsets if offsets is None else offsets
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (list, tuple)):
+        if len(x[1]) != 1:
+            raise ValueError(f"{name}: fbgemm-style (values, [offsets]) must hold exactly one offsets tensor")
+        return x[0], x[1][0] if offsets is None else offsets
+    if isinstance(x, MXFP8Jagged):
+        return x, x.offsets if offsets is None else offsets
+    return x, offsets
+
+
+def _same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b or values_unavailable(a):
+        return a.shape == b.shape
+    return a.shape == b.shape and bool((a.to(torch.int64) == b.to(torch.int64)).all())
+
+
+def _check_shapes(q_shape, k_shape, v_shape):
+    if len(q_shape) != 3 or len(k_shape) != 3 or len(v_shape) != 3:
+        raise ValueError("q, k, v must be [total, heads, head_dim]")
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    if q_shape[2] != k_shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got {q_shape[2]} and {k_shape[2]}")
+    if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
+        raise ValueError(f"q heads ({q_shape[1]}) must be a multiple of k/v heads ({k_shape[1]}) for GQA/MQA")
+
+
+def jagged_attention(
+    q, k, v, offsets_q=None, offsets_k=None, *, causal: bool = False, softmax_scale: float | None = None,
+    backend: str = "auto", return_lse: bool = False, deterministic: bool = False,
+):
+    """Attention over a ragged batch: ``out[b] = softmax(q_b k_b^T * scale + mask) v_b``.
+
+    Args:
+        q: ``[total_q, Hq, D]`` bf16/fp16/fp32, or an ``MXFP8Jagged`` on the feature axis. A
+            ``JaggedTensor`` or fbgemm's ``(values, [offsets])`` pair also works.
+        k, v: ``[total_k, Hkv, D]`` (same kinds as q; an MXFP8 k is on the feature axis, v on the
+            sequence axis). ``Hq % Hkv == 0`` (GQA/MQA); D a multiple of 32.
+        offsets_q, offsets_k: int32/int64 ``[B + 1]`` (taken from MXFP8Jagged/JaggedTensor inputs
+            when omitted). ``offsets_k=None`` means self-attention (``offsets_q``).
+        causal: bottom-right aligned: query i of a sequence sees keys ``j <= i + L_k - L_q``.
+            Rows that see no key give 0 (and LSE = -inf).
+        softmax_scale: defaults to ``1/sqrt(D)``.
+        backend: ``"auto"`` (Triton on Hopper, exact on Blackwell, reference elsewhere),
+            ``"reference"``, ``"triton"`` or ``"exact"``.
+        return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
+        deterministic: bit-identical gradients run to run (the ``triton`` backward then skips
+            atomics; slower).
+
+    Returns:
+        ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
+        High-precision inputs get gradients through autograd (quantization is straight-through).
+    """
+    q, offsets_q = _unpack(q, offsets_q, "q")
+    k, offsets_k = _unpack(k, offsets_k, "k")
+    v, offsets_v = _unpack(v, None, "v")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if offsets_q is None:
+        raise ValueError("offsets_q is required for tensor inputs")
+    kinds = {isinstance(x, MXFP8Jagged) for x in (q, k, v)}
+    if len(kinds) != 1:
+        raise TypeError("q, k, v must be all MXFP8Jagged or all high-precision tensors")
+    quantized = kinds.pop()
+    if quantized:
+        for name, x, axis in (("q", q, "feature"), ("k", k, "feature"), ("v", v, "sequence")):
+            check_mxfp8(x, name)
+            if x.axis != axis:
+                raise ValueError(f"{name} must be quantized along the {axis} axis, got axis={x.axis!r}")
+        if offsets_k is None:
+            offsets_k = k.offsets
+        if not _same_offsets(v.offsets, offsets_k):
+            raise ValueError("v.offsets must equal k's offsets")
+    else:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_values(x, name)
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if offsets_v is not None and offsets_k is not None and not _same_offsets(offsets_v, offsets_k):
+            raise ValueError("v's offsets must equal k's offsets")
+    _check_shapes(q.data.shape if quantized else q.shape, k.data.shape if quantized else k.shape,
+                  v.data.shape if quantized else v.shape)
+    data = (q.data, k.data, v.data) if quantized else (q, k, v)
+    device = data[0].device
+    if any(x.device != device for x in data):
+        raise ValueError("q, k, v must be on the same device")
+    if offsets_k is None:
+        if data[1].shape[0] != data[0].shape[0]:
+            raise ValueError("offsets_k is required when q and k have different numbers of rows")
+        offsets_k = offsets_q
+    validate_offsets(offsets_q, data[0].shape[0], "offsets_q")
+    validate_offsets(offsets_k, data[1].shape[0], "offsets_k")
+    for name, off in (("offsets_q", offsets_q), ("offsets_k", offsets_k)):
+        if off.device != device:
+            raise ValueError(f"{name} is on {off.device} but q is on {device}")
+    if offsets_q.numel() != offsets_k.numel():
+        raise ValueError(f"offsets_q and offsets_k must describe the same batch size, got "
+                         f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
+    if softmax_scale is None:
+        softmax_scale = data[0].shape[2] ** -0.5
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    name = auto_backend_name(device) if backend == "auto" else backend
+    check_kernel_device(name, device)
+
+    from . import ops  # registers the torch.library ops on first use
+
+    if quantized:
+        if not (_same_offsets(q.offsets, offsets_q) and _same_offsets(k.offsets, offsets_k)):
+            raise ValueError("offsets passed explicitly differ from the MXFP8Jagged inputs' offsets")
+        out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q, offsets_k,
+                                          bool(causal), float(softmax_scale), name)
+    else:
+        out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, bool(causal),
+                                    float(softmax_scale), name, bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,131 @@
+"""``JaggedTensor``: a ragged batch as (values, offsets), with padded / nested / fbgemm conversions."""
+
+from __future__ import annotations
+
+import torch
+
+from .offsets import lengths_of, offsets_from_lengths, validate_offsets
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+# fbgemm's and aten's jagged ops reject fp8: such payloads travel bit-exactly as an int32 view.
+_FP8_CARRIER = torch.int32
+
+
+def _carrier_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Flatten trailing dims to ``[rows, F]``; fp8 bytes become int32 words (F divisible by 4)."""
+    flat = x.reshape(x.shape[0], -1) if x.dim() != 2 else x
+    if x.dtype in FP8_DTYPES:
+        if flat.shape[1] % 4:
+            raise ValueError(f"fp8 values need a feature size divisible by 4 to move as int32, got {flat.shape[1]}")
+        return flat.view(torch.uint8).view(_FP8_CARRIER), 4
+    return flat, 1
+
+
+def _from_carrier(flat: torch.Tensor, dtype: torch.dtype, feature_shape: tuple) -> torch.Tensor:
+    if dtype in FP8_DTYPES:
+        flat = flat.contiguous().view(torch.uint8).view(dtype)
+    return flat.reshape(*flat.shape[:-1], *feature_shape)
+
+
+class JaggedTensor:
+    """A batch of ``B`` sequences of different lengths, stored without padding.
+
+    ``values``: ``[total, *features]`` (contiguous); ``offsets``: int32/int64 ``[B + 1]``, sequence
+    ``b`` is ``values[offsets[b]:offsets[b + 1]]`` (fbgemm's offsets, FlashAttention's cu_seqlens).
+    """
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor):
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dim() < 1:
+            raise ValueError("values must have a leading token dimension")
+        validate_offsets(offsets, values.shape[0], "offsets")
+        if offsets.device != values.device:
+            raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
+        self.values = values.contiguous()
+        self.offsets = offsets
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths) -> "JaggedTensor":
+        lengths = torch.as_tensor(lengths, device=values.device)
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or bool((lengths < 0).any()):
+            raise ValueError("lengths must be a 1-D tensor of non-negative integers")
+        return cls(values, offsets_from_lengths(lengths))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return lengths_of(self.offsets)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if self.batch_size else 0
+
+    @property
+    def feature_shape(self) -> tuple:
+        return tuple(self.values.shape[1:])
+
+    def __repr__(self) -> str:
+        return (f"JaggedTensor(batch_size={self.batch_size}, total={self.values.shape[0]}, "
+                f"features={self.feature_shape}, dtype={self.values.dtype}, device={self.values.device})")
+
+    def to_padded(self, padding_value: float = 0.0, max_length: int | None = None, *, use_fbgemm=False):
+        """Dense ``[B, max_length, *features]``; sequences longer than ``max_length`` are truncated.
+
+        ``use_fbgemm=True`` goes through ``torch.ops.fbgemm.jagged_to_padded_dense`` (needs fbgemm-gpu).
+        fp8 values move bit-exactly (as int32 words) and accept only ``padding_value=0``.
+        """
+        max_length = self.max_length if max_length is None else int(max_length)
+        if self.values.dtype in FP8_DTYPES and padding_value != 0:
+            raise ValueError("padding_value must be 0 for fp8 values")
+        flat, _ = _carrier_view(self.values)
+        op = _fbgemm_op("jagged_to_padded_dense") if use_fbgemm else torch.ops.aten._jagged_to_padded_dense_forward
+        dense = op(flat, [self.offsets], [max_length], padding_value)
+        return _from_carrier(dense, self.values.dtype, self.feature_shape)
+
+    @classmethod
+    def from_padded(cls, dense: torch.Tensor, lengths, *, use_fbgemm=False) -> "JaggedTensor":
+        """Inverse of :meth:`to_padded`: keep the first ``lengths[b]`` rows of ``dense[b]``."""
+        if not isinstance(dense, torch.Tensor) or dense.dim() < 2:
+            raise ValueError("dense must be a tensor [B, max_length, *features]")
+        lengths = torch.as_tensor(lengths, device=dense.device)
+        if lengths.shape != (dense.shape[0],):
+            raise ValueError(f"lengths must have shape ({dense.shape[0]},), got {tuple(lengths.shape)}")
+        if bool((lengths < 0).any()) or bool((lengths > dense.shape[1]).any()):
+            raise ValueError(f"lengths must lie in [0, {dense.shape[1]}]")
+        offsets = offsets_from_lengths(lengths)
+        feature_shape = tuple(dense.shape[2:])
+        flat, _ = _carrier_view(dense.reshape(dense.shape[0] * dense.shape[1], *feature_shape))
+        flat = flat.reshape(dense.shape[0], dense.shape[1], -1)
+        total = int(offsets[-1])
+        if use_fbgemm:
+            values = _fbgemm_op("dense_to_jagged")(flat, [offsets], total)[0]
+        else:
+            values = torch.ops.aten._padded_dense_to_jagged_forward(flat, [offsets], total)
+        return cls(_from_carrier(values, dense.dtype, feature_shape), offsets)
+
+    def to_nested(self) -> torch.Tensor:
+        """A torch jagged-layout nested tensor sharing ``values`` (``[B, j, *features]``)."""
+        return torch.nested.nested_tensor_from_jagged(self.values, self.offsets.to(torch.int64))
+
+    @classmethod
+    def from_nested(cls, njt: torch.Tensor) -> "JaggedTensor":
+        """From a jagged-layout nested tensor (``layout=torch.jagged``)."""
+        if not (isinstance(njt, torch.Tensor) and njt.is_nested and njt.layout == torch.jagged):
+            raise TypeError("njt must be a nested tensor with layout=torch.jagged")
+        if njt._ragged_idx != 1 or njt.lengths() is not None:
+            raise ValueError("njt must be ragged in dim 1 and contiguous (no holes)")
+        return cls(njt.values(), njt.offsets())
+
+
+def _fbgemm_op(name: str):
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    except ImportError as e:
+        raise ImportError(
+            "fbgemm-gpu is not installed: pip install fbgemm-gpu-cpu==<version matching torch>"
+        ) from e
+    return getattr(torch.ops.fbgemm, name)

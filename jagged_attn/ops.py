@@ -1,0 +1,85 @@
+"""torch.library custom ops (with fake implementations and autograd) behind ``jagged_attention``.
+
+* ``jagged_attn::attention``: high-precision q, k, v -> (out, lse); differentiable in q, k, v
+  (quantization is straight-through), its backward is ``jagged_attn::attention_backward``.
+* ``jagged_attn::mxfp8_attention``: pre-quantized operands (data + tiled scales) -> (out, lse).
+
+The ops take a resolved backend name; validation happens in ``interface.py`` before they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import get_backend
+from .mxfp8 import MXFP8Jagged
+from .offsets import values_unavailable
+
+
+@torch.library.custom_op("jagged_attn::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
+    causal: bool, softmax_scale: float, backend: str, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``deterministic`` only matters to the backward (bit-identical gradients run to run)."""
+    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale)
+
+
+@attention_op.register_fake
+def _(q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("jagged_attn::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    offsets_q: torch.Tensor, offsets_k: torch.Tensor, causal: bool, softmax_scale: float, backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = get_backend(backend).backward(
+        dout.contiguous(), q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic
+    )
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
+    ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic = causal, softmax_scale, backend, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
+    if dlse is not None and not values_unavailable(dlse) and bool((dlse != 0).any()):
+        raise NotImplementedError("gradients through the returned LSE are not supported")
+    dq, dk, dv = attention_backward_op(
+        dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("jagged_attn::mxfp8_attention", mutates_args=())
+def mxfp8_attention_op(
+    q_data: torch.Tensor, q_scales: torch.Tensor, k_data: torch.Tensor, k_scales: torch.Tensor,
+    v_data: torch.Tensor, v_scales: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
+    causal: bool, softmax_scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
+    k = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
+    v = MXFP8Jagged(v_data, v_scales, offsets_k, "sequence")
+    return get_backend(backend).forward_mx(q, k, v, causal, softmax_scale, torch.bfloat16)
+
+
+@mxfp8_attention_op.register_fake
+def _(q_data, q_scales, k_data, k_scales, v_data, v_scales, offsets_q, offsets_k, causal, softmax_scale, backend):
+    out = torch.empty(q_data.shape, dtype=torch.bfloat16, device=q_data.device)
+    return out, q_data.new_empty(q_data.shape[:2], dtype=torch.float32)
