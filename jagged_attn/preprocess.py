@@ -1,0 +1,310 @@
+"""Offline MXFP8 preprocessing: quantize a jagged tensor file once, in bounded memory.
+
+Input file (safetensors, or a torch ``.pt`` dict saved with ``torch.save``):
+
+* ``values``: bfloat16 / float16 / float32, ``[total, heads, D]`` or ``[total, D]``
+  (``heads=H`` reads ``[total, H * D]`` as ``[total, H, D]``); D a multiple of 32;
+* and exactly one of ``offsets`` (int32/int64 ``[B + 1]``, starting at 0, ending at ``total``) or
+  ``lengths`` (fbgemm's form: int32/int64 ``[B]``, turned into int64 offsets).
+
+The input is read in chunks of whole sequences (``chunk_tokens`` tokens, or one longer sequence),
+so memory is bounded by the chunk, never by the file. The output is exactly the file that
+``save(output, quantize_mxfp8(values, offsets, axis=..., rounding=...))`` would write (with
+``axis="both"``: ``save(output, {"feature": ..., "sequence": ...})``), byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import zipfile
+
+import torch
+from safetensors import safe_open
+
+from .mx_format import BLOCK_SIZE, check_rounding
+from .mxfp8 import AXES, check_values, quantize_mxfp8
+from .offsets import INDEX_DTYPES, lengths_of, offsets_from_lengths, padded_seq_start, validate_offsets
+from .scale_layout import TILE_ROWS, num_tiles
+from .serialization import SINGLE_ENTRY_NAME, Entry, MXFP8FileWriter, read_header, scale_tiles, token_tile_dim
+
+# One chunk holds about this many values (its fp32/fp64 working copies are a few hundred MB).
+DEFAULT_CHUNK_VALUES = 1 << 24
+INDEX_KEYS = ("offsets", "lengths")
+_PROGRESS_INTERVAL_S = 0.5
+
+
+class _JaggedSource:
+    """Row ranges of ``values`` and the whole offsets of an input file, read lazily."""
+
+    def __init__(self, path, heads):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"{self.path}: no such file")
+        try:
+            open_input = _open_torch if zipfile.is_zipfile(self.path) else _open_safetensors
+            self._read, shape, tensors = open_input(self.path)
+        except Exception as error:  # torch and safetensors each have their own exception classes
+            raise ValueError(f"{self.path}: cannot read it as a safetensors or torch file: {error}") from error
+        if shape is None:
+            raise ValueError(f"{self.path}: no 'values' tensor (keys: {sorted(tensors)})")
+        self.offsets = _offsets_of(tensors, self.path)
+        self.shape = _heads_shape(shape, heads, self.path)
+        empty = self.rows(0, 0)
+        check_values(empty, f"{self.path}: values")
+        self.dtype = empty.dtype
+        validate_offsets(self.offsets, self.shape[0], f"{self.path}: offsets")
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """``values[start:stop]``, shaped like the output (``heads`` applied)."""
+        return self._read(slice(start, stop)).reshape(stop - start, *self.shape[1:])
+
+
+def _open_torch(path):
+    """(values row reader, values shape, {name: tensor}) of a ``torch.save``-d dict, memory-mapped."""
+    tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(tensors, dict):
+        raise TypeError(f"expected a dict of tensors, found a {type(tensors).__name__}")
+    values = tensors.get("values")
+    if not isinstance(values, torch.Tensor):
+        return None, None, tensors
+    return values.__getitem__, tuple(values.shape), tensors
+
+
+def _open_safetensors(path):
+    """(values row reader, values shape, {name: offsets or lengths tensor, or None}) of a safetensors file."""
+    file = safe_open(path, framework="pt", device="cpu")
+    tensors = {key: file.get_tensor(key) if key in INDEX_KEYS else None for key in file.keys()}
+    if "values" not in tensors:
+        return None, None, tensors
+    values = file.get_slice("values")
+    return values.__getitem__, tuple(values.get_shape()), tensors
+
+
+def _offsets_of(tensors, path) -> torch.Tensor:
+    has_offsets, has_lengths = "offsets" in tensors, "lengths" in tensors
+    if has_offsets == has_lengths:
+        raise ValueError(f"{path}: needs exactly one of 'offsets' or 'lengths' (keys: {sorted(tensors)})")
+    if has_offsets:
+        return tensors["offsets"]
+    lengths = tensors["lengths"]
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype not in INDEX_DTYPES or lengths.dim() != 1:
+        raise ValueError(f"{path}: lengths must be a 1-D int32/int64 tensor, got {lengths!r:.80}")
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{path}: lengths must be non-negative")
+    return offsets_from_lengths(lengths)
+
+
+def _heads_shape(shape, heads, path) -> tuple[int, ...]:
+    if heads is None:
+        return shape
+    if len(shape) == 3 and shape[1] == heads:
+        return shape
+    if len(shape) != 2 or heads < 1 or shape[1] % heads:
+        raise ValueError(f"{path}: heads={heads} needs values [total, heads * D], got {list(shape)}")
+    return (shape[0], heads, shape[1] // heads)
+
+
+def sequence_chunks(offsets: torch.Tensor, chunk_tokens: int):
+    """Yield ``(first, end)`` sequence ranges of about ``chunk_tokens`` tokens (at least one sequence)."""
+    batch = offsets.numel() - 1
+    first = 0
+    while first < batch:
+        limit = offsets[first] + chunk_tokens
+        end = int(torch.searchsorted(offsets, limit, right=True)) - 1
+        end = min(max(end, first + 1), batch)
+        yield first, end
+        first = end
+
+
+def _token_tiles(offsets: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+    """First 128-token scale tile of each sequence: its padded start over the tile height."""
+    return padded_seq_start(offsets[sequences].to(torch.int64), sequences) // TILE_ROWS
+
+
+def _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets):
+    """The whole tiles that sequences ``first:end`` occupy in the full tensor's scale buffer.
+
+    Every sequence owns whole 128-token tiles starting at its padded start, in both axes, and no
+    other sequence writes into them. So the tiles of the chunk quantized on its own (local offsets)
+    move to the full buffer by a whole-tile shift per sequence: no re-tiling, no scale math. The
+    returned block covers tiles ``[start, stop)`` of the full buffer (padding tiles zero), where
+    ``stop`` is the next chunk's ``start``.
+    """
+    dim = token_tile_dim(entry.axis)
+    local_tiles = scale_tiles(local.scales, Entry.of(entry.name, local))
+    sequences = torch.arange(first, end)
+    start, stop = (int(t) for t in _token_tiles(offsets, torch.tensor([first, end])))
+    lengths = lengths_of(chunk_offsets).to(torch.int64)
+    counts = num_tiles(lengths, TILE_ROWS)
+    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    source = torch.repeat_interleave(_token_tiles(chunk_offsets, sequences - first), counts) + within
+    target = torch.repeat_interleave(_token_tiles(offsets, sequences), counts) + within - start
+    shape = list(local_tiles.shape)
+    shape[dim] = stop - start
+    block = local_tiles.new_zeros(shape)
+    block.index_copy_(dim, target, local_tiles.index_select(dim, source))
+    return block, start
+
+
+class _Progress:
+    """A one-line progress report on stderr: tokens, tokens/s and input GB/s."""
+
+    def __init__(self, total_tokens: int, enabled: bool):
+        self.total, self.enabled = total_tokens, enabled
+        self.started = self.shown = time.perf_counter()
+
+    def update(self, tokens: int, nbytes: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not final and now - self.shown < _PROGRESS_INTERVAL_S):
+            return
+        self.shown = now
+        elapsed = max(now - self.started, 1e-9)
+        percent = 100.0 * tokens / self.total if self.total else 100.0
+        line = (
+            f"\rpreprocess {percent:5.1f}% {tokens:,}/{self.total:,} tokens"
+            f" | {tokens / elapsed:,.0f} tokens/s | {nbytes / elapsed / 1e9:.2f} GB/s read"
+        )
+        print(line, end="\n" if final else "", file=sys.stderr, flush=True)
+
+
+def preprocess_file(
+    input_path,
+    output_path,
+    *,
+    axis: str = "feature",
+    rounding: str = "rceil",
+    heads: int | None = None,
+    chunk_tokens: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Quantize the jagged tensor in ``input_path`` to MXFP8 and write it to ``output_path``.
+
+    Args:
+        input_path: safetensors or torch file with ``values`` and ``offsets`` or ``lengths``
+            (module docstring).
+        output_path: the file to write; ``jagged_attn.load`` reads it back, verified.
+        axis: ``"feature"``, ``"sequence"``, or ``"both"`` (a dict file ``{"feature", "sequence"}``).
+        rounding: ``"rceil"`` or ``"floor"``.
+        heads: split ``values [total, H * D]`` into ``H`` heads.
+        chunk_tokens: tokens per chunk (default: about 16M values per chunk).
+        progress: print a progress line with tokens/s on stderr.
+
+    Returns:
+        Statistics: sequences, tokens, heads, head_dim, axis, rounding, chunks, input/output bytes,
+        seconds, tokens_per_s, input_gb_per_s, checksum.
+    """
+    if axis not in (*AXES, "both"):
+        raise ValueError(f"axis must be 'feature', 'sequence' or 'both', got {axis!r}")
+    check_rounding(rounding)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    source = _JaggedSource(input_path, heads)
+    offsets, shape = source.offsets, source.shape
+    total, batch = shape[0], offsets.numel() - 1
+    row_values = shape[1] * (shape[2] if len(shape) == 3 else 1)
+    chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_VALUES // row_values)
+    axes = AXES if axis == "both" else (axis,)
+    names = {ax: (ax if axis == "both" else SINGLE_ENTRY_NAME) for ax in axes}
+    entries = {ax: Entry(names[ax], ax, rounding, shape, offsets.dtype, batch + 1) for ax in axes}
+    structure = "dict" if axis == "both" else "single"
+
+    row_bytes = row_values * source.dtype.itemsize
+    report = _Progress(total, progress)
+    started = time.perf_counter()
+    chunks = 0
+    with MXFP8FileWriter(output_path, list(entries.values()), {names[ax]: offsets for ax in axes}, structure) as writer:
+        for first, end in sequence_chunks(offsets, chunk_tokens):
+            row_start, row_stop = int(offsets[first]), int(offsets[end])
+            values = source.rows(row_start, row_stop)
+            chunk_offsets = offsets[first : end + 1] - row_start
+            for ax, entry in entries.items():
+                local = quantize_mxfp8(values, chunk_offsets, axis=ax, rounding=rounding)
+                writer.write_data(entry.name, local.data, row_start)
+                writer.write_scale_tiles(entry.name, *_global_scale_tiles(local, entry, chunk_offsets, first, end, offsets))
+            chunks += 1
+            report.update(row_stop, row_stop * row_bytes)
+        checksum = writer.close()
+    seconds = time.perf_counter() - started
+    report.update(total, total * row_bytes, final=True)
+    return {
+        "input": os.fspath(input_path),
+        "output": os.fspath(output_path),
+        "axis": axis,
+        "rounding": rounding,
+        "sequences": batch,
+        "tokens": total,
+        "heads": shape[1] if len(shape) == 3 else 1,
+        "head_dim": shape[-1],
+        "chunks": chunks,
+        "input_bytes": total * row_bytes,
+        "output_bytes": os.path.getsize(output_path),
+        "seconds": seconds,
+        "tokens_per_s": total / seconds,
+        "input_gb_per_s": total * row_bytes / seconds / 1e9,
+        "checksum": checksum,
+    }
+
+
+def inspect_file(path) -> str:
+    """A human-readable report on a saved MXFP8 file.
+
+    Shows per entry: axis, rounding, shapes, sequences, tokens, a length histogram, bytes against the
+    same values in bfloat16, and a histogram of scale exponents (over real blocks, padding left out);
+    and for the file: format version and whether the checksum matches its contents. Raises
+    ``ValueError`` only if the header cannot be read.
+    """
+    contents = read_header(path)
+    actual = contents.actual_checksum()
+    status = "OK" if actual == contents.stored_checksum else f"MISMATCH (contents hash to {actual}): the file is corrupted"
+    size = os.path.getsize(contents.path)
+    lines = [
+        f"{contents.path}: jagged_attn.mxfp8 format version {contents.metadata['format_version']}, {contents.structure}",
+        f"  file bytes: {size:,}",
+        f"  checksum: {contents.stored_checksum} {status}",
+    ]
+    for entry in contents.entries:
+        lines += _describe_entry(contents, entry)
+    return "\n".join(lines)
+
+
+def _describe_entry(contents, entry) -> list[str]:
+    offsets = contents.read_tensor(f"{entry.name}.offsets").to(torch.int64)
+    scale_bytes = contents.read_tensor(f"{entry.name}.scales").reshape(-1)
+    lengths = lengths_of(offsets)
+    total, dim = entry.shape[0], entry.shape[-1]
+    values = total * entry.heads * dim
+    data_bytes = values + scale_bytes.numel() + offsets.numel() * entry.offsets_dtype.itemsize
+    bf16_bytes = 2 * values
+    if entry.axis == "feature":
+        real_blocks = values // BLOCK_SIZE
+    else:
+        real_blocks = int(num_tiles(lengths, BLOCK_SIZE).sum()) * entry.heads * dim
+    counts = torch.bincount(scale_bytes.to(torch.int64), minlength=256)
+    counts[0] -= scale_bytes.numel() - real_blocks  # padding bytes are all 0
+    exponents = ", ".join(f"2^{byte - 127}: {int(n):,}" for byte, n in enumerate(counts.tolist()) if n)
+    return [
+        f"entry {entry.name!r}: axis {entry.axis}, rounding {entry.rounding}, data {list(entry.shape)} float8_e4m3fn, "
+        f"scales {entry.heads} x {scale_bytes.numel() // max(entry.heads, 1):,} bytes float8_e8m0fnu",
+        f"  sequences: {lengths.numel():,}  tokens: {total:,}  "
+        + (f"length min/mean/max: {int(lengths.min())}/{total / lengths.numel():.1f}/{int(lengths.max())}" if lengths.numel() else ""),
+        f"  length histogram: {_length_histogram(lengths)}",
+        f"  bytes: {data_bytes:,} ({values:,} data + {scale_bytes.numel():,} scales + offsets) = "
+        f"{data_bytes / bf16_bytes if bf16_bytes else 0:.3f}x bf16 ({bf16_bytes:,})",
+        f"  scale exponents over {real_blocks:,} blocks: {exponents or 'none'}",
+    ]
+
+
+def _length_histogram(lengths: torch.Tensor) -> str:
+    """Counts of lengths in power-of-two bins: 0, 1, 2-3, 4-7, ..."""
+    if lengths.numel() == 0:
+        return "empty"
+    bins = torch.where(lengths > 0, torch.floor(torch.log2(lengths.clamp(min=1).double())).long() + 1, 0)
+    counts = torch.bincount(bins)
+    labels = []
+    for b, n in enumerate(counts.tolist()):
+        if n:
+            low, high = (0, 0) if b == 0 else (1 << (b - 1), (1 << b) - 1)
+            labels.append(f"{low}: {n:,}" if low == high else f"{low}-{high}: {n:,}")
+    return ", ".join(labels)

@@ -1,0 +1,129 @@
+"""jagged_attention: input forms, dtypes, autograd, torch.library / torch.compile, bad input."""
+
+import pytest
+import torch
+
+import jagged_attn as ja
+from jagged_attn import backends
+from jagged_attn.metrics import relative_l2
+from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.reference import reference_backward, reference_forward
+
+
+def _inputs(lengths_q=(3, 0, 40, 33), lengths_k=(50, 2, 0, 33), hq=4, hkv=2, dim=64, dtype=torch.float32):
+    oq, ok = offsets_from_lengths(torch.tensor(lengths_q)), offsets_from_lengths(torch.tensor(lengths_k))
+    q = torch.randn(int(oq[-1]), hq, dim, dtype=dtype)
+    k = torch.randn(int(ok[-1]), hkv, dim, dtype=dtype)
+    v = torch.randn(int(ok[-1]), hkv, dim, dtype=dtype)
+    return q, k, v, oq, ok
+
+
+def _mx(q, k, v, oq, ok):
+    return ja.quantize_mxfp8(q, oq), ja.quantize_mxfp8(k, ok), ja.quantize_mxfp8(v, ok, axis="sequence")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_high_precision_forward_backward_match_reference(dtype):
+    q, k, v, oq, ok = _inputs(dtype=dtype)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = ja.jagged_attention(*leaves, oq, ok, causal=True, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    deq = [m.dequantize() for m in _mx(q, k, v, oq, ok)]
+    ref_out, ref_lse = reference_forward(*deq, oq, ok, causal=True)
+    assert torch.equal(out, ref_out.to(dtype)) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_grads = reference_backward(dout, q, k, v, out.detach(), lse, oq, ok, causal=True)
+    for leaf, g in zip(leaves, ref_grads):
+        assert leaf.grad.dtype == dtype and torch.equal(leaf.grad, g.to(dtype))
+
+
+def test_mxfp8_inputs_and_other_forms_agree():
+    q, k, v, oq, ok = _inputs()
+    mq, mk, mv = _mx(q, k, v, oq, ok)
+    out_mx = ja.jagged_attention(mq, mk, mv)
+    assert out_mx.dtype == torch.bfloat16
+    out = ja.jagged_attention(q, k, v, oq, ok)
+    assert torch.equal(out_mx, out.to(torch.bfloat16))
+    jagged = ja.jagged_attention(ja.JaggedTensor(q, oq), ja.JaggedTensor(k, ok), ja.JaggedTensor(v, ok))
+    fbgemm_pairs = ja.jagged_attention((q, [oq]), (k, [ok]), (v, [ok]))
+    assert torch.equal(jagged, out) and torch.equal(fbgemm_pairs, out)
+
+
+def test_self_attention_defaults_and_scale():
+    q, _, _, oq, _ = _inputs(lengths_k=(3, 0, 40, 33))
+    k, v = torch.randn_like(q[:, :2]), torch.randn_like(q[:, :2])
+    out = ja.jagged_attention(q, k, v, oq, softmax_scale=0.125)
+    assert torch.equal(out, ja.jagged_attention(q, k, v, oq, oq))  # 0.125 = 1/sqrt(64)
+    assert not torch.equal(out, ja.jagged_attention(q, k, v, oq, softmax_scale=0.5))
+
+
+def test_torch_library_opcheck():
+    q, k, v, oq, ok = _inputs(lengths_q=(5, 33), lengths_k=(7, 31), hq=2, hkv=1, dim=32)
+    args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False]
+    torch.library.opcheck(torch.ops.jagged_attn.attention.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    q, k, v, oq, ok = _inputs()
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    compiled = torch.compile(lambda a, b, c: ja.jagged_attention(a, b, c, oq, ok, causal=True), fullgraph=True,
+                             backend="aot_eager")
+    out = compiled(*leaves)
+    assert torch.equal(out, ja.jagged_attention(q, k, v, oq, ok, causal=True))
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
+def test_gradient_through_lse_is_refused():
+    q, k, v, oq, ok = _inputs()
+    q.requires_grad_(True)
+    _, lse = ja.jagged_attention(q, k, v, oq, ok, return_lse=True)
+    with pytest.raises(NotImplementedError, match="LSE"):
+        lse[torch.isfinite(lse)].sum().backward()
+
+
+def test_auto_backend_on_cpu_is_reference():
+    assert backends.auto_backend_name(torch.device("cpu")) == "reference"
+
+
+def test_kernel_backends_refuse_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setattr(backends, "_interpreting", lambda: False)
+    q, k, v, oq, ok = _inputs()
+    for name in ("triton", "exact"):
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            ja.jagged_attention(q, k, v, oq, ok, backend=name)
+
+
+def _bad_calls():
+    q, k, v, oq, ok = _inputs()
+    mq, mk, mv = _mx(q, k, v, oq, ok)
+    yield (q, k, v, None, ok), {}, ValueError, "offsets_q is required"
+    yield (q, k, v, oq, ok[:-1]), {}, ValueError, "offsets_k"
+    yield (q, k, v, oq, offsets_from_lengths(torch.tensor([50, 2, 33]))), {}, ValueError, "same batch size"
+    yield (q, k, v, oq.float(), ok), {}, TypeError, "offsets_q must be int32 or int64"
+    yield (q, k, v, torch.tensor([0, 40, 30, 76]), ok), {}, ValueError, "non-decreasing"
+    yield (q, k[:, :1].repeat(1, 3, 1), v[:, :1].repeat(1, 3, 1), oq, ok), {}, ValueError, "multiple of k/v heads"
+    yield (q[..., :48], k[..., :48], v[..., :48], oq, ok), {}, ValueError, "multiple of 32"
+    yield (q, k, v[..., :32], oq, ok), {}, ValueError, "same shape"
+    yield (q, k.double(), v, oq, ok), {}, TypeError, "k must be float32"
+    yield (q, k.half(), v.half(), oq, ok), {}, TypeError, "share a dtype"
+    yield (q.clone().fill_(float("inf")), k, v, oq, ok), {}, ValueError, "q contains NaN or Inf"
+    yield (q, k, v.clone().fill_(float("nan")), oq, ok), {}, ValueError, "v contains NaN or Inf"
+    yield (q, k, v, oq, ok), {"backend": "cudnn"}, ValueError, "backend must be one of"
+    yield (q, k, v, oq, ok), {"softmax_scale": -1.0}, ValueError, "softmax_scale"
+    yield (q, k, v, oq, ok), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"
+    yield (q, k, v, oq), {}, ValueError, "offsets_k is required"
+    yield (mq, mk, v, None, None), {}, TypeError, "all MXFP8Jagged"
+    yield (mq, mk, ja.quantize_mxfp8(v, ok), None, None), {}, ValueError, "v must be quantized along the sequence"
+    yield (mk, mq, mv, None, None), {}, ValueError, "v.offsets must equal"
+    yield (q, k, v, oq, ok.to("meta")), {}, ValueError, "offsets_k"
+    yield (q.to("meta"), k, v, oq, ok), {}, ValueError, "same device"
+
+
+@pytest.mark.parametrize("case", range(21))
+def test_bad_input(case):
+    args, kwargs, error, match = list(_bad_calls())[case]
+    with pytest.raises(error, match=match):
+        ja.jagged_attention(*args, **kwargs)
