@@ -120,7 +120,7 @@ def sequence_chunks(offsets: torch.Tensor, chunk_tokens: int):
 
 def _token_tiles(offsets: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
     """First 128-token scale tile of each sequence: its padded start over the tile height."""
-    return padded_seq_start(offsets[sequences].to(torch.int64), sequences) // TILE_ROWS
+    return padded_seq_start(offsets[sequences], sequences) // TILE_ROWS
 
 
 def _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets):
@@ -136,7 +136,7 @@ def _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets):
     local_tiles = scale_tiles(local.scales, Entry.of(entry.name, local))
     sequences = torch.arange(first, end)
     start, stop = (int(t) for t in _token_tiles(offsets, torch.tensor([first, end])))
-    lengths = lengths_of(chunk_offsets).to(torch.int64)
+    lengths = lengths_of(chunk_offsets)
     counts = num_tiles(lengths, TILE_ROWS)
     within = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     source = torch.repeat_interleave(_token_tiles(chunk_offsets, sequences - first), counts) + within
@@ -201,20 +201,21 @@ def preprocess_file(
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     source = _JaggedSource(input_path, heads)
-    offsets, shape = source.offsets, source.shape
+    offsets, shape = source.offsets.to(torch.int64), source.shape
     total, batch = shape[0], offsets.numel() - 1
     row_values = shape[1] * (shape[2] if len(shape) == 3 else 1)
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_VALUES // row_values)
     axes = AXES if axis == "both" else (axis,)
     names = {ax: (ax if axis == "both" else SINGLE_ENTRY_NAME) for ax in axes}
-    entries = {ax: Entry(names[ax], ax, rounding, shape, offsets.dtype, batch + 1) for ax in axes}
+    entries = {ax: Entry(names[ax], ax, rounding, shape, source.offsets.dtype, batch + 1) for ax in axes}
     structure = "dict" if axis == "both" else "single"
 
     row_bytes = row_values * source.dtype.itemsize
     report = _Progress(total, progress)
     started = time.perf_counter()
     chunks = 0
-    with MXFP8FileWriter(output_path, list(entries.values()), {names[ax]: offsets for ax in axes}, structure) as writer:
+    stored_offsets = {names[ax]: source.offsets for ax in axes}
+    with MXFP8FileWriter(output_path, list(entries.values()), stored_offsets, structure) as writer:
         for first, end in sequence_chunks(offsets, chunk_tokens):
             row_start, row_stop = int(offsets[first]), int(offsets[end])
             values = source.rows(row_start, row_stop)
@@ -275,7 +276,8 @@ def _describe_entry(contents, entry) -> list[str]:
     lengths = lengths_of(offsets)
     total, dim = entry.shape[0], entry.shape[-1]
     values = total * entry.heads * dim
-    data_bytes = values + scale_bytes.numel() + offsets.numel() * entry.offsets_dtype.itemsize
+    offsets_bytes = offsets.numel() * entry.offsets_dtype.itemsize
+    stored_bytes = values + scale_bytes.numel() + offsets_bytes
     bf16_bytes = 2 * values
     if entry.axis == "feature":
         real_blocks = values // BLOCK_SIZE
@@ -284,14 +286,16 @@ def _describe_entry(contents, entry) -> list[str]:
     counts = torch.bincount(scale_bytes.to(torch.int64), minlength=256)
     counts[0] -= scale_bytes.numel() - real_blocks  # padding bytes are all 0
     exponents = ", ".join(f"2^{byte - 127}: {int(n):,}" for byte, n in enumerate(counts.tolist()) if n)
+    sequences = f"sequences: {lengths.numel():,}  tokens: {total:,}"
+    if lengths.numel():
+        sequences += f"  length min/mean/max: {int(lengths.min())}/{total / lengths.numel():.1f}/{int(lengths.max())}"
     return [
         f"entry {entry.name!r}: axis {entry.axis}, rounding {entry.rounding}, data {list(entry.shape)} float8_e4m3fn, "
-        f"scales {entry.heads} x {scale_bytes.numel() // max(entry.heads, 1):,} bytes float8_e8m0fnu",
-        f"  sequences: {lengths.numel():,}  tokens: {total:,}  "
-        + (f"length min/mean/max: {int(lengths.min())}/{total / lengths.numel():.1f}/{int(lengths.max())}" if lengths.numel() else ""),
+        f"scales {entry.heads} x {scale_bytes.numel() // entry.heads:,} bytes float8_e8m0fnu",
+        f"  {sequences}",
         f"  length histogram: {_length_histogram(lengths)}",
-        f"  bytes: {data_bytes:,} ({values:,} data + {scale_bytes.numel():,} scales + offsets) = "
-        f"{data_bytes / bf16_bytes if bf16_bytes else 0:.3f}x bf16 ({bf16_bytes:,})",
+        f"  bytes: {stored_bytes:,} = {values:,} data + {scale_bytes.numel():,} scales + {offsets_bytes:,} offsets"
+        f" = {stored_bytes / max(bf16_bytes, 1):.3f}x the values in bf16 ({bf16_bytes:,})",
         f"  scale exponents over {real_blocks:,} blocks: {exponents or 'none'}",
     ]
 
