@@ -3,9 +3,9 @@
 Every backend offers the same three entry points:
 
 * ``forward_mx(q, k, v, causal, softmax_scale, out_dtype) -> (out, lse)`` on ``MXFP8Jagged`` inputs
-  (q, k on the feature axis, v on the sequence axis);
-* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale) -> (out, lse)`` on bf16 /
-  fp16 / fp32 tensors (quantizes them first; out in q's dtype);
+  (q, k on the feature axis, v on the sequence axis, or on the feature axis = per-token scales);
+* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis) -> (out, lse)`` on
+  bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype);
 * ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic)
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
 
@@ -43,21 +43,24 @@ def _reference_forward_mx(q, k, v, causal, softmax_scale, out_dtype):
     return out.to(out_dtype), lse.to(torch.float32)
 
 
-def _quantize_inputs(q, k, v, offsets_q, offsets_k):
-    """The forward's MXFP8 operands: Q, K along head_dim, V along the sequence (RCEIL)."""
+def _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis="sequence"):
+    """The forward's MXFP8 operands: Q, K along head_dim, V along ``v_axis`` (RCEIL)."""
     return (
         quantize_mxfp8(q, offsets_q, axis="feature"),
         quantize_mxfp8(k, offsets_k, axis="feature"),
-        quantize_mxfp8(v, offsets_k, axis="sequence"),
+        quantize_mxfp8(v, offsets_k, axis=v_axis),
     )
 
 
-def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale):
-    return _reference_forward_mx(*_quantize_inputs(q, k, v, offsets_q, offsets_k), causal, softmax_scale, q.dtype)
+def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
+    mx = _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis)
+    return _reference_forward_mx(*mx, causal, softmax_scale, q.dtype)
 
 
 def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
-    grads = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale)
+    grads = reference_backward(
+        dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale
+    )
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
@@ -69,7 +72,7 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str) -> Bac
     def forward_mx(q, k, v, causal, softmax_scale, out_dtype):
         return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
 
-    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale):
+    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
         if hasattr(fwd, "attention_forward_hp"):
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale)
         mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)

@@ -58,7 +58,8 @@ def run_demo(lengths=DEFAULT_LENGTHS, heads_q=8, heads_kv=2, head_dim=128, causa
         times.append(time.perf_counter() - start)
 
     exact = [x.to(torch.float64) for x in (q, k, v)]
-    ref_out, ref_lse = reference_forward(*exact, offsets, offsets, causal=causal, compute_dtype=torch.float64, fp8=False)
+    ref_out, ref_lse = reference_forward(*exact, offsets, offsets, causal=causal, compute_dtype=torch.float64,
+                                         fp8=False)
     ref_grads = reference_backward(dout.to(torch.float64), *exact, ref_out, ref_lse, offsets, offsets, causal=causal,
                                    compute_dtype=torch.float64, fp8=False)
     results = {"backend": backend_name, "device": str(device), "seconds_fwd_bwd": min(times)}

@@ -12,6 +12,9 @@ from .mxfp8 import MXFP8Jagged, check_mxfp8, check_values
 from .offsets import validate_offsets, values_unavailable
 
 
+V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantization axis of V
+
+
 def _unpack(x, offsets, name):
     """Accept a tensor (+ offsets), a JaggedTensor, fbgemm's ``(values, [offsets])`` pair or an MXFP8Jagged."""
     if isinstance(x, JaggedTensor):
@@ -44,7 +47,7 @@ def _check_shapes(q_shape, k_shape, v_shape):
 
 def jagged_attention(
     q, k, v, offsets_q=None, offsets_k=None, *, causal: bool = False, softmax_scale: float | None = None,
-    backend: str = "auto", return_lse: bool = False, deterministic: bool = False,
+    backend: str = "auto", return_lse: bool = False, deterministic: bool = False, v_scaling: str = "sequence",
 ):
     """Attention over a ragged batch: ``out[b] = softmax(q_b k_b^T * scale + mask) v_b``.
 
@@ -63,6 +66,11 @@ def jagged_attention(
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
         deterministic: bit-identical gradients run to run (the ``triton`` backward then skips
             atomics; slower).
+        v_scaling: ``"sequence"`` (MX blocks of 32 tokens, the GEMM's reduction axis) or
+            ``"token"`` (blocks along head_dim, one scale per token and 32 channels). With
+            ``"sequence"`` a later token can change how an earlier token's V is rounded; causal
+            training that must rule that out uses ``"token"`` (reference backend only for now).
+            For MXFP8 inputs it is read from ``v.axis``.
 
     Returns:
         ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
@@ -73,6 +81,9 @@ def jagged_attention(
     v, offsets_v = _unpack(v, None, "v")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if v_scaling not in V_AXES:
+        raise ValueError(f"v_scaling must be one of {tuple(V_AXES)}, got {v_scaling!r}")
+    v_axis = V_AXES[v_scaling]
     if offsets_q is None:
         raise ValueError("offsets_q is required for tensor inputs")
     kinds = {isinstance(x, MXFP8Jagged) for x in (q, k, v)}
@@ -80,10 +91,12 @@ def jagged_attention(
         raise TypeError("q, k, v must be all MXFP8Jagged or all high-precision tensors")
     quantized = kinds.pop()
     if quantized:
-        for name, x, axis in (("q", q, "feature"), ("k", k, "feature"), ("v", v, "sequence")):
+        for name, x in (("q", q), ("k", k), ("v", v)):
             check_mxfp8(x, name)
-            if x.axis != axis:
-                raise ValueError(f"{name} must be quantized along the {axis} axis, got axis={x.axis!r}")
+        for name, x in (("q", q), ("k", k)):
+            if x.axis != "feature":
+                raise ValueError(f"{name} must be quantized along the feature axis, got axis={x.axis!r}")
+        v_axis = v.axis
         if offsets_k is None:
             offsets_k = k.offsets
         if not _same_offsets(v.offsets, offsets_k):
@@ -119,6 +132,9 @@ def jagged_attention(
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     name = auto_backend_name(device) if backend == "auto" else backend
     check_kernel_device(name, device)
+    if v_axis != "sequence" and name != "reference":
+        raise ValueError(f"per-token V scales (v_scaling='token' / v.axis='feature') need backend='reference', "
+                         f"not {name!r}")
 
     from . import ops  # registers the torch.library ops on first use
 
@@ -126,8 +142,8 @@ def jagged_attention(
         if not (_same_offsets(q.offsets, offsets_q) and _same_offsets(k.offsets, offsets_k)):
             raise ValueError("offsets passed explicitly differ from the MXFP8Jagged inputs' offsets")
         out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q, offsets_k,
-                                          bool(causal), float(softmax_scale), name)
+                                          bool(causal), float(softmax_scale), name, v_axis)
     else:
         out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, bool(causal),
-                                    float(softmax_scale), name, bool(deterministic))
+                                    float(softmax_scale), name, bool(deterministic), v_axis)
     return (out, lse) if return_lse else out

@@ -195,7 +195,7 @@ def _quantize_sequence(x, offsets, rounding):
 def element_scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
     """int64 ``[total, heads, D]``: the E8M0 byte that scales each element of ``mx.data``."""
     matrix = mx.scale_matrix().to(torch.int64)  # [H, rows, cols]
-    total, dim = mx.total, mx.head_dim
+    total = mx.total
     if mx.axis == "feature":
         token_rows = padded_rows_of_tokens(mx.offsets, sequence_ids(mx.offsets, total))
         per_block = matrix[:, token_rows, :].permute(1, 0, 2)  # [total, H, D/32]

@@ -19,14 +19,14 @@ from .offsets import values_unavailable
 @torch.library.custom_op("jagged_attn::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
-    causal: bool, softmax_scale: float, backend: str, deterministic: bool,
+    causal: bool, softmax_scale: float, backend: str, deterministic: bool, v_axis: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``deterministic`` only matters to the backward (bit-identical gradients run to run)."""
-    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale)
+    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis)
 
 
 @attention_op.register_fake
-def _(q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic):
+def _(q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -48,7 +48,7 @@ def _(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, back
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic = inputs
+    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
     ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic = causal, softmax_scale, backend, deterministic
@@ -61,7 +61,7 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv = attention_backward_op(
         dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -71,15 +71,16 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def mxfp8_attention_op(
     q_data: torch.Tensor, q_scales: torch.Tensor, k_data: torch.Tensor, k_scales: torch.Tensor,
     v_data: torch.Tensor, v_scales: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
-    causal: bool, softmax_scale: float, backend: str,
+    causal: bool, softmax_scale: float, backend: str, v_axis: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
     k = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
-    v = MXFP8Jagged(v_data, v_scales, offsets_k, "sequence")
+    v = MXFP8Jagged(v_data, v_scales, offsets_k, v_axis)
     return get_backend(backend).forward_mx(q, k, v, causal, softmax_scale, torch.bfloat16)
 
 
 @mxfp8_attention_op.register_fake
-def _(q_data, q_scales, k_data, k_scales, v_data, v_scales, offsets_q, offsets_k, causal, softmax_scale, backend):
+def _(q_data, q_scales, k_data, k_scales, v_data, v_scales, offsets_q, offsets_k, causal, softmax_scale, backend,
+      v_axis):
     out = torch.empty(q_data.shape, dtype=torch.bfloat16, device=q_data.device)
     return out, q_data.new_empty(q_data.shape[:2], dtype=torch.float32)

@@ -60,7 +60,7 @@ def test_self_attention_defaults_and_scale():
 
 def test_torch_library_opcheck():
     q, k, v, oq, ok = _inputs(lengths_q=(5, 33), lengths_k=(7, 31), hq=2, hkv=1, dim=32)
-    args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False]
+    args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False, "sequence"]
     torch.library.opcheck(torch.ops.jagged_attn.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -116,14 +116,30 @@ def _bad_calls():
     yield (q, k, v, oq, ok), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"
     yield (q, k, v, oq), {}, ValueError, "offsets_k is required"
     yield (mq, mk, v, None, None), {}, TypeError, "all MXFP8Jagged"
-    yield (mq, mk, ja.quantize_mxfp8(v, ok), None, None), {}, ValueError, "v must be quantized along the sequence"
+    yield (mq, mk, ja.quantize_mxfp8(v, ok), None, None), {"backend": "triton"}, ValueError, "per-token V scales"
+    yield (q, k, v, oq, ok), {"v_scaling": "channel"}, ValueError, "v_scaling must be one of"
+    yield (mq, ja.quantize_mxfp8(k, ok, axis="sequence"), mv, None, None), {}, ValueError, "k must be quantized along the feature"
     yield (mk, mq, mv, None, None), {}, ValueError, "v.offsets must equal"
     yield (q, k, v, oq, ok.to("meta")), {}, ValueError, "offsets_k"
     yield (q.to("meta"), k, v, oq, ok), {}, ValueError, "same device"
 
 
-@pytest.mark.parametrize("case", range(21))
+@pytest.mark.parametrize("case", range(23))
 def test_bad_input(case):
     args, kwargs, error, match = list(_bad_calls())[case]
     with pytest.raises(error, match=match):
         ja.jagged_attention(*args, **kwargs)
+
+
+def test_token_scaled_v_rules_out_causal_leakage():
+    """With v_scaling="token", a future token's V cannot change an earlier output, even by rounding."""
+    q, k, v, oq, ok = _inputs(lengths_q=(64,), lengths_k=(64,), hq=1, hkv=1, dim=32)
+    v_bumped = v.clone()
+    v_bumped[40] *= 1000.0  # inside the 32-token block [32, 64) of queries 32..39
+    for v_scaling, leaks in (("sequence", True), ("token", False)):
+        a = ja.jagged_attention(q, k, v, oq, causal=True, v_scaling=v_scaling)
+        b = ja.jagged_attention(q, k, v_bumped, oq, causal=True, v_scaling=v_scaling)
+        assert torch.equal(a[:40], b[:40]) != leaks, v_scaling
+    mx_v = ja.quantize_mxfp8(v, ok, axis="feature")
+    out = ja.jagged_attention(ja.quantize_mxfp8(q, oq), ja.quantize_mxfp8(k, ok), mx_v, causal=True)
+    assert torch.equal(out, ja.jagged_attention(q, k, v, oq, causal=True, v_scaling="token").to(torch.bfloat16))
