@@ -7,7 +7,7 @@ import math
 import torch
 
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
-from .jagged import JaggedTensor
+from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_mxfp8, check_values
 from .offsets import validate_offsets, values_unavailable
 
@@ -16,7 +16,13 @@ V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantizati
 
 
 def _unpack(x, offsets, name):
-    """Accept a tensor (+ offsets), a JaggedTensor, fbgemm's ``(values, [offsets])`` pair or an MXFP8Jagged."""
+    """Accept a tensor (+ offsets), a JaggedTensor, a jagged nested tensor, fbgemm's ``(values, [offsets])``
+    pair or an MXFP8Jagged."""
+    if is_jagged_nested(x):
+        if offsets is not None:
+            raise ValueError(f"{name} is a nested tensor: it carries its own offsets, do not pass them")
+        values, nested_offsets, _ = unpack_attention_nested(x)
+        return values, nested_offsets
     if isinstance(x, JaggedTensor):
         return x.values, x.offsets if offsets is None else offsets
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (list, tuple)):
@@ -53,7 +59,9 @@ def jagged_attention(
 
     Args:
         q: ``[total_q, Hq, D]`` bf16/fp16/fp32, or an ``MXFP8Jagged`` on the feature axis. A
-            ``JaggedTensor`` or fbgemm's ``(values, [offsets])`` pair also works.
+            ``JaggedTensor``, fbgemm's ``(values, [offsets])`` pair, or a jagged nested tensor
+            (``[B, j, H, D]`` or SDPA's ``[B, H, j, D]``; then out is a nested tensor of that layout)
+            also works.
         k, v: ``[total_k, Hkv, D]`` (same kinds as q; an MXFP8 k is on the feature axis, v on the
             sequence axis). ``Hq % Hkv == 0`` (GQA/MQA); D a multiple of 32.
         offsets_q, offsets_k: int32/int64 ``[B + 1]`` (taken from MXFP8Jagged/JaggedTensor inputs
@@ -76,6 +84,7 @@ def jagged_attention(
         ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
         High-precision inputs get gradients through autograd (quantization is straight-through).
     """
+    nested_layout = unpack_attention_nested(q)[2] if is_jagged_nested(q) else None
     q, offsets_q = _unpack(q, offsets_q, "q")
     k, offsets_k = _unpack(k, offsets_k, "k")
     v, offsets_v = _unpack(v, None, "v")
@@ -146,4 +155,6 @@ def jagged_attention(
     else:
         out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, bool(causal),
                                     float(softmax_scale), name, bool(deterministic), v_axis)
+    if nested_layout is not None:
+        out = pack_attention_nested(out, offsets_q, nested_layout)
     return (out, lse) if return_lse else out

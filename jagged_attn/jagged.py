@@ -113,12 +113,32 @@ class JaggedTensor:
 
     @classmethod
     def from_nested(cls, njt: torch.Tensor) -> "JaggedTensor":
-        """From a jagged-layout nested tensor (``layout=torch.jagged``)."""
-        if not (isinstance(njt, torch.Tensor) and njt.is_nested and njt.layout == torch.jagged):
+        """From a jagged-layout nested tensor ``[B, j, *features]`` (``layout=torch.jagged``)."""
+        if not is_jagged_nested(njt):
             raise TypeError("njt must be a nested tensor with layout=torch.jagged")
         if njt._ragged_idx != 1 or njt.lengths() is not None:
             raise ValueError("njt must be ragged in dim 1 and contiguous (no holes)")
         return cls(njt.values(), njt.offsets())
+
+
+def is_jagged_nested(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_nested and x.layout == torch.jagged
+
+
+def unpack_attention_nested(njt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A jagged nested tensor in either attention layout -> (values ``[total, H, D]``, offsets, heads_first).
+
+    ``[B, j, H, D]`` (ragged dim 1) or SDPA's ``[B, H, j, D]`` (ragged dim 2, ``heads_first``).
+    """
+    heads_first = njt.dim() == 4 and njt._ragged_idx == 2
+    jt = JaggedTensor.from_nested(njt.transpose(1, 2) if heads_first else njt)
+    return jt.values, jt.offsets, heads_first
+
+
+def pack_attention_nested(values: torch.Tensor, offsets: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    """Inverse of :func:`unpack_attention_nested`."""
+    njt = torch.nested.nested_tensor_from_jagged(values, offsets.to(torch.int64))
+    return njt.transpose(1, 2) if heads_first else njt
 
 
 def _fbgemm_op(name: str):

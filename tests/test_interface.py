@@ -143,3 +143,24 @@ def test_token_scaled_v_rules_out_causal_leakage():
     mx_v = ja.quantize_mxfp8(v, ok, axis="feature")
     out = ja.jagged_attention(ja.quantize_mxfp8(q, oq), ja.quantize_mxfp8(k, ok), mx_v, causal=True)
     assert torch.equal(out, ja.jagged_attention(q, k, v, oq, causal=True, v_scaling="token").to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_nested_tensors_in_and_out_match_sdpa(heads_first):
+    """Jagged nested tensors (either attention layout) go in and come out, and agree with torch's SDPA
+    on the same nested tensors up to the MXFP8 quantization error."""
+    import torch.nn.functional as F
+
+    from jagged_attn.jagged import pack_attention_nested
+
+    q, k, v, oq, _ = _inputs(lengths_q=(3, 40, 33), lengths_k=(3, 40, 33), hq=2, hkv=2, dim=32)
+    nq, nk, nv = (pack_attention_nested(x, oq, heads_first) for x in (q, k, v))
+    out = ja.jagged_attention(nq, nk, nv)
+    assert out.is_nested and out.shape[:2] == nq.shape[:2]
+    sdpa_in = [x if heads_first else x.transpose(1, 2) for x in (nq, nk, nv)]
+    ref = F.scaled_dot_product_attention(*sdpa_in)
+    ref_values = ref.transpose(1, 2).values()  # SDPA works in [B, H, j, D]
+    ours = (out.transpose(1, 2) if heads_first else out).values()
+    assert relative_l2(ours, ref_values) < 5e-2
+    with pytest.raises(ValueError, match="carries its own offsets"):
+        ja.jagged_attention(nq, nk, nv, oq)
