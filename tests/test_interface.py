@@ -118,7 +118,8 @@ def _bad_calls():
     yield (mq, mk, v, None, None), {}, TypeError, "all MXFP8Jagged"
     yield (mq, mk, ja.quantize_mxfp8(v, ok), None, None), {"backend": "triton"}, ValueError, "per-token V scales"
     yield (q, k, v, oq, ok), {"v_scaling": "channel"}, ValueError, "v_scaling must be one of"
-    yield (mq, ja.quantize_mxfp8(k, ok, axis="sequence"), mv, None, None), {}, ValueError, "k must be quantized along the feature"
+    k_seq = ja.quantize_mxfp8(k, ok, axis="sequence")
+    yield (mq, k_seq, mv, None, None), {}, ValueError, "k must be quantized along the feature"
     yield (mk, mq, mv, None, None), {}, ValueError, "v.offsets must equal"
     yield (q, k, v, oq, ok.to("meta")), {}, ValueError, "offsets_k"
     yield (q.to("meta"), k, v, oq, ok), {}, ValueError, "same device"
