@@ -1,0 +1,196 @@
+"""Varlen MXFP8 attention forward for Hopper (sm_90): FP8 wgmma on rebased operands.
+
+Hopper's FP8 MMA has no block scales, so the operands are first rebased (``rebase.py``): Q to
+one exponent per token, K to one per KV tile, V to one per (sequence, head, channel), stored
+transposed so both wgmma operands are K-major. Those factors leave the MMAs: Q's per-row and K's
+per-tile factors fold into the softmax scale of each row, V's scale each output channel in the
+epilogue. (A per-key factor would cost a broadcast column vector, ~32 registers per thread, and
+spilled at 128x128 tiles.)
+
+The softmax runs online in the exp2 domain with the running row maximum rounded up to an
+integer. P = ``exp2(s - m + 8)`` lies in (0, 256] and is cast to e4m3 on that static 2^8 scale
+(``mx_format.P_STATIC_EXP``); the row sum uses the unrounded P. Because ``m`` only moves by whole
+powers of two, rescaling earlier tiles never changes how their P was rounded: the result equals
+quantizing P once against the final (rounded-up) row maximum, whatever the tile order.
+
+One program computes one (query tile, head): KV tiles that every row of the tile sees run
+without masks, the diagonal (causal) and ragged-end tiles with them. Programs are launched in
+the longest-first order of ``schedule.work_list``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_attn import mx_format
+from jagged_attn.mxfp8 import MXFP8Jagged
+
+from . import fp8, layout
+from .rebase import exp2_int, sequence_span, quantize_rebase_feature, quantize_rebase_sequence, rebase_feature, rebase_sequence
+from .schedule import work_list
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = tl.constexpr(math.log(2.0))
+P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)
+FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
+
+
+def tile_config(head_dim: int) -> dict:
+    """Block sizes, warps and pipeline depth for a head_dim (measured on an H200, docs/PERF.md)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2 if head_dim > 64 else 3)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, row_sum, row_max, q, row_scale, last_col, k_block, vt_block, k_tile_factor, col_begin, col_end,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i]."""
+    k_block = tl.advance(k_block, (col_begin, 0))
+    vt_block = tl.advance(vt_block, (0, col_begin))
+    for col0 in range(col_begin, col_end, BLOCK_N):
+        if MASKED:
+            k = tl.load(k_block, boundary_check=(0,), padding_option="zero")
+        else:
+            k = tl.load(k_block)
+        s = tl.dot(q, tl.trans(k)) * (row_scale * tl.load(k_tile_factor + col0 // BLOCK_N))[:, None]
+        if MASKED:
+            cols = col0 + tl.arange(0, BLOCK_N)
+            s = tl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
+        new_max = tl.maximum(row_max, tl.ceil(tl.max(s, axis=1)))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(s - (new_max - P_STATIC_EXP)[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if INTERPRET:
+            p = fp8.snap_to_e4m3_grid(p)
+        if MASKED:
+            vt = tl.load(vt_block, boundary_check=(1,), padding_option="zero")
+        else:
+            vt = tl.load(vt_block)
+        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc)
+        row_max = new_max
+        k_block = tl.advance(k_block, (BLOCK_N, 0))
+        vt_block = tl.advance(vt_block, (0, BLOCK_N))
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _attention_forward_kernel(
+    q, q_factor, k, k_factor, vt, v_exponent, out, lse,
+    offsets_q, offsets_k, work,
+    scale_log2, q_groups, k_groups, t_pad, batch,
+    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    slot = tl.program_id(0) // HEADS_Q
+    head = tl.program_id(0) % HEADS_Q
+    seq = tl.load(work + 2 * slot)
+    if seq < 0:
+        return
+    tile = tl.load(work + 2 * slot + 1)
+    kv_head = (head // (HEADS_Q // HEADS_KV)).to(tl.int64)
+    q_start, len_q = sequence_span(offsets_q, seq)
+    k_start, len_k = sequence_span(offsets_k, seq)
+
+    row0 = tile * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    in_seq = rows < len_q
+    q_block = tl.make_block_ptr(
+        q + q_start * (HEADS_Q * D) + head * D, shape=(len_q, D), strides=(HEADS_Q * D, 1),
+        offsets=(row0, 0), block_shape=(BLOCK_M, D), order=(1, 0),
+    )
+    q_tile = tl.load(q_block, boundary_check=(0,), padding_option="zero")
+    q_factor_seq = q_factor + head.to(tl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
+    row_scale = tl.load(q_factor_seq + rows, mask=in_seq, other=0.0) * scale_log2
+    k_block = tl.make_block_ptr(
+        k + k_start * (HEADS_KV * D) + kv_head * D, shape=(len_k, D), strides=(HEADS_KV * D, 1),
+        offsets=(0, 0), block_shape=(BLOCK_N, D), order=(1, 0),
+    )
+    vt_block = tl.make_block_ptr(
+        vt + kv_head * D * t_pad + k_start, shape=(D, len_k), strides=(t_pad, 1),
+        offsets=(0, 0), block_shape=(D, BLOCK_N), order=(1, 0),
+    )
+    k_tile_factor = k_factor + kv_head * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
+
+    # Query i sees keys j <= i + diagonal (causal, bottom-right aligned).
+    diagonal = len_k - len_q
+    if CAUSAL:
+        last_row = tl.minimum(row0 + BLOCK_M, len_q) - 1
+        unmasked_end = tl.minimum(tl.maximum(row0 + 1 + diagonal, 0), len_k)
+        col_end = tl.minimum(tl.maximum(last_row + 1 + diagonal, 0), len_k)
+        last_col = tl.minimum(rows + diagonal, len_k - 1)
+    else:
+        unmasked_end = len_k
+        col_end = len_k
+        last_col = tl.full((BLOCK_M,), len_k - 1, dtype=tl.int32)
+    unmasked_end = unmasked_end // BLOCK_N * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    row_max = tl.full((BLOCK_M,), FINITE_FLOOR, dtype=tl.float32)
+    acc, row_sum, row_max = _attend_tiles(
+        acc, row_sum, row_max, q_tile, row_scale, last_col, k_block, vt_block, k_tile_factor,
+        0, unmasked_end, BLOCK_N, False, INTERPRET,
+    )
+    acc, row_sum, row_max = _attend_tiles(
+        acc, row_sum, row_max, q_tile, row_scale, last_col, k_block, vt_block, k_tile_factor,
+        unmasked_end, col_end, BLOCK_N, True, INTERPRET,
+    )
+
+    channels = tl.arange(0, D)
+    v_factor = exp2_int(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32) - 127)
+    seen = row_sum > 0.0
+    inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)
+    o = acc * inverse_sum[:, None] * v_factor[None, :]
+    tokens = q_start + rows
+    tl.store(out + (tokens * HEADS_Q + head)[:, None] * D + channels[None, :], o.to(out.dtype.element_ty),
+             mask=in_seq[:, None])
+    log_sum = (row_max - P_STATIC_EXP + tl.log2(tl.where(seen, row_sum, 1.0))) * LN2
+    tl.store(lse + tokens * HEADS_Q + head, tl.where(seen, log_sum, -float("inf")), mask=in_seq)
+
+
+def _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
+                     out_dtype):
+    total_q, heads_q, dim = q8.shape
+    total_k, heads_kv, _ = k8.shape
+    config = tile_config(dim)
+    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q8.device)
+    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q8.device)
+    work = work_list(offsets_q, offsets_k, total_q, config["BLOCK_M"], causal=causal)
+    if work.shape[0]:
+        _attention_forward_kernel[(work.shape[0] * heads_q,)](
+            q8, q_factor, k8, k_factor, vt, v_exponent, out, lse, offsets_q, offsets_k, work,
+            softmax_scale * LOG2E, q_factor.shape[1], k_factor.shape[1], vt.shape[2], offsets_q.numel() - 1,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, INTERPRET=fp8.INTERPRETED, **config,
+        )
+    return out, lse
+
+
+def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float,
+                      out_dtype=torch.bfloat16):
+    """Jagged attention of MXFP8 inputs (validated by the caller).
+
+    q, k: feature-axis ``MXFP8Jagged`` (``[total_q, Hq, D]``, ``[total_k, Hkv, D]``); v: sequence-axis,
+    offsets equal to k's. Returns (out ``[total_q, Hq, D]`` out_dtype, lse fp32 ``[total_q, Hq]``, natural
+    log; rows that see no key get out = 0 and lse = -inf). Causal is bottom-right aligned.
+    """
+    q8, q_factor = rebase_feature(q)
+    k8, k_factor = rebase_feature(k, group=tile_config(k.head_dim)["BLOCK_N"])
+    vt, v_exponent = rebase_sequence(v)
+    return _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, q.offsets, k.offsets, causal=causal,
+                            softmax_scale=softmax_scale, out_dtype=out_dtype)
+
+
+def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None):
+    """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
+    quantized to MXFP8 (rceil) and rebased in one pass each, then the same kernel."""
+    q8, q_factor = quantize_rebase_feature(q, offsets_q)
+    k8, k_factor = quantize_rebase_feature(k, offsets_k, group=tile_config(k.shape[-1])["BLOCK_N"])
+    vt, v_exponent = quantize_rebase_sequence(v, offsets_k)
+    return _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
+                            softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype)

@@ -1,0 +1,275 @@
+"""Rebasing MXFP8 operands for Hopper's FP8 wgmma, which has no block-scaled MMA.
+
+A GEMM can only factor a scale out of its fp32 result if the scale is constant along the
+reduction (DESIGN.md section 6). So each operand is re-expressed on one exponent per
+non-reduced index, in a single pass over the data:
+
+* feature axis (Q, K): the D/32 block exponents of a group of tokens (one token for Q; one KV
+  tile for K, so its factor is a scalar per tile) are replaced by their maximum ``e_grp``;
+  elements of a block with exponent ``e_blk`` are multiplied by ``2^(e_blk - e_grp)`` and
+  re-rounded to e4m3. A shift by a power of two is exact unless the element drops below e4m3's
+  smallest normal (2^-6): only elements far below the group's largest block round, and their
+  absolute error stays below the rounding error of the group's largest elements.
+  Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``.
+* sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
+  blocks, the same shift is applied, and the data is stored transposed, ``[H, D, t_pad]`` with
+  tokens contiguous, so that P·V reads V K-major. Output: that tensor and the uint8 exponent
+  bytes ``[H, B, D]``.
+
+Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
+tiled scale buffer) or high-precision values, quantized here with the same numbers as
+``quantize_mxfp8`` and then rebased, in the same pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_attn import mx_format
+from jagged_attn.mxfp8 import MXFP8Jagged, scale_matrix_shape
+from jagged_attn.offsets import padded_total
+from jagged_attn.scale_layout import TILE_COLS, num_tiles
+
+from . import fp8, layout
+from .schedule import work_list
+
+
+
+def _let_interpreted_scalars_bound_loops():
+    """Triton 3.6's interpreter turns a scalar loop bound into a Python int with ``int()`` of a
+    one-element array, which numpy >= 2.4 rejects; a loop up to a loaded length then fails. Make
+    the interpreter read the element instead (no effect on compiled kernels)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if fp8.INTERPRETED:
+    _let_interpreted_scalars_bound_loops()
+
+TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis blocks never straddle programs
+TOKEN_ALIGNMENT = 16  # rows of the transposed V are padded to 16 bytes (vector loads, TMA)
+
+
+@triton.jit
+def exp2_int(e):
+    """Exact fp32 ``2^e`` for integer ``e``, clamped to the normal range [-126, 127]."""
+    e = tl.minimum(tl.maximum(e, -126), 127)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def sequence_span(offsets, seq):
+    """(first row as int64, length as int32) of sequence ``seq``."""
+    start = tl.load(offsets + seq).to(tl.int64)
+    return start, (tl.load(offsets + seq + 1) - start).to(tl.int32)
+
+
+@triton.jit
+def scale_byte_of_amax(amax, FLOOR: tl.constexpr):
+    """E8M0 byte (int32) of a block's fp32 absolute maximum, by the rounding rule of mx_format."""
+    if FLOOR:
+        return layout.floor_scale_byte(amax.to(tl.int32, bitcast=True))
+    return layout.rceil_scale_byte((amax / 448.0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
+    """fp32 ``x`` divided by ``2^(byte - 127)``, rounded to e4m3, returned as fp32 values."""
+    return fp8.to_e4m3(x * exp2_int(127 - byte), INTERPRET).to(tl.float32)
+
+
+@triton.jit
+def _rebase_feature_kernel(
+    src, scales, offsets, work, dst, factor, n_groups, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(work + 2 * slot)
+    if seq < 0:
+        return
+    tile = tl.load(work + 2 * slot + 1)
+    start, length = sequence_span(offsets, seq)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_seq = rows < length
+    channels = tl.arange(0, D)
+    element = (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
+    x = tl.load(src + element, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    x = tl.reshape(x, (BLOCK_T, D // 32, 32))
+    padded_rows = layout.padded_seq_start(start, seq) + rows
+    if FROM_HIGH_PRECISION:
+        byte = scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
+        x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
+    else:
+        blocks = tl.arange(0, D // 32)
+        where = layout.scale_byte_offset(padded_rows[:, None], blocks[None, :], n_col_tiles)
+        byte = tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq[:, None], other=0).to(tl.int32)
+    group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
+    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
+    rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
+    tl.store(dst + element, tl.reshape(rebased, (BLOCK_T, D)), mask=in_seq[:, None])
+    groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
+    tl.store(factor + head * n_groups + groups, exp2_int(group_byte - 127))
+
+
+@triton.jit
+def _sequence_block_bytes(
+    src, scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr,
+):
+    """int32 ``[BLOCK_T / 32, D]`` bytes of the sequence-axis blocks of rows ``first_row + [0, BLOCK_T)``,
+    and (only when FROM_HIGH_PRECISION, else None) the fp32 values ``[BLOCK_T / 32, 32, D]``."""
+    rows = first_row + tl.arange(0, BLOCK_T)
+    channels = tl.arange(0, D)
+    if FROM_HIGH_PRECISION:
+        element = (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
+        x = tl.load(src + element, mask=(rows < length)[:, None], other=0.0).to(tl.float32)
+        x = tl.reshape(x, (BLOCK_T // 32, 32, D))
+        return scale_byte_of_amax(tl.max(tl.abs(x), axis=1), FLOOR), x
+    blocks = tl.arange(0, BLOCK_T // 32)
+    column = (layout.padded_seq_start(start, seq) + first_row) // 32 + blocks
+    where = layout.scale_byte_offset(channels[None, :], column[:, None], n_col_tiles)
+    in_seq = (first_row + blocks * 32 < length)[:, None]
+    return tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32), None
+
+
+@triton.jit
+def _sequence_exponent_kernel(
+    src, scales, offsets, exponent, batch, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr,
+):
+    """exponent[head, seq, :] = the largest block byte of each channel over the sequence."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    start, length = sequence_span(offsets, seq)
+    largest = tl.zeros((D,), dtype=tl.int32)
+    for first_row in range(0, length, BLOCK_T):
+        byte, _ = _sequence_block_bytes(
+            src, scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
+            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR,
+        )
+        largest = tl.maximum(largest, tl.max(byte, axis=0))
+    channels = tl.arange(0, D)
+    tl.store(exponent + (head.to(tl.int64) * batch + seq) * D + channels, largest.to(tl.uint8))
+
+
+@triton.jit
+def _rebase_sequence_kernel(
+    src, scales, offsets, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(work + 2 * slot)
+    if seq < 0:
+        return
+    tile = tl.load(work + 2 * slot + 1)
+    start, length = sequence_span(offsets, seq)
+    first_row = tile * BLOCK_T
+    byte, x = _sequence_block_bytes(
+        src, scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
+        HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR,
+    )
+    rows = first_row + tl.arange(0, BLOCK_T)
+    channels = tl.arange(0, D)
+    in_seq = (rows < length)[:, None]
+    if FROM_HIGH_PRECISION:
+        x = quantize_on_bytes(x, byte[:, None, :], INTERPRET)
+    else:
+        element = (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
+        x = tl.load(src + element, mask=in_seq, other=0.0).to(tl.float32)
+        x = tl.reshape(x, (BLOCK_T // 32, 32, D))
+    channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
+    rebased = fp8.to_e4m3(x * exp2_int(byte - channel_byte[None, :])[:, None, :], INTERPRET)
+    transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + (start + rows)[:, None]
+    tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)), mask=in_seq)
+
+
+def _scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
+    """(scale buffer, bytes per head, column tiles) for a kernel; a dummy buffer for raw values."""
+    _, cols = scale_matrix_shape(axis, total, batch, dim)
+    if mx is None:
+        return torch.empty(1, dtype=torch.uint8, device=device), 0, num_tiles(cols, TILE_COLS)
+    return mx.scales.view(torch.uint8), mx.scales.shape[1], num_tiles(cols, TILE_COLS)
+
+
+def _rebase_feature(values, offsets, mx, rounding, group):
+    if TOKENS_PER_PROGRAM % group:
+        raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
+    total, heads, dim = values.shape
+    n_groups = padded_total(total, offsets.numel() - 1) // group
+    data = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=values.device)
+    factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
+    work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
+    scales, per_head, col_tiles = _scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
+    if work.shape[0]:
+        _rebase_feature_kernel[(work.shape[0], heads)](
+            values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
+            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, GROUP=group, FROM_HIGH_PRECISION=mx is None,
+            FLOOR=rounding == "floor", INTERPRET=fp8.INTERPRETED,
+        )
+    return data, factor
+
+
+def _rebase_sequence(values, offsets, mx, rounding):
+    total, heads, dim = values.shape
+    batch = offsets.numel() - 1
+    t_pad = -(-max(total, 1) // TOKEN_ALIGNMENT) * TOKEN_ALIGNMENT
+    transposed = torch.empty(heads, dim, t_pad, dtype=torch.float8_e4m3fn, device=values.device)
+    exponent = torch.empty(heads, batch, dim, dtype=torch.uint8, device=values.device)
+    work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
+    scales, per_head, col_tiles = _scale_args(mx, "sequence", total, batch, dim, values.device)
+    common = dict(HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
+                  FLOOR=rounding == "floor")
+    if batch:
+        _sequence_exponent_kernel[(batch, heads)](
+            values, scales, offsets, exponent, batch, per_head, col_tiles, **common
+        )
+    if work.shape[0]:
+        _rebase_sequence_kernel[(work.shape[0], heads)](
+            values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
+            INTERPRET=fp8.INTERPRETED, **common,
+        )
+    return transposed, exponent
+
+
+def rebase_feature(mx: MXFP8Jagged, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feature-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[total, H, D]``, fp32 factors ``[H, padded_total / group]``).
+
+    Tokens share one exponent per ``group`` consecutive tokens of a sequence (counted from its
+    start; ``group`` divides 128). The factor of token ``i`` of sequence ``b`` sits at index
+    ``(padded_seq_start(offsets[b], b) + i) // group``.
+    """
+    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group)
+
+
+def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1):
+    """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group)``,
+    in one pass over bf16/fp16/fp32 ``values [total, H, D]``."""
+    return _rebase_feature(values, offsets, None, mx_format.check_rounding(rounding), group)
+
+
+def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, t_pad]``, tokens contiguous, on one
+    exponent per (sequence, head, channel); uint8 exponent bytes ``[H, B, D]``)."""
+    return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding)
+
+
+def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil"):
+    """Like ``rebase_sequence(quantize_mxfp8(values, offsets, axis="sequence", rounding=rounding))``,
+    reading bf16/fp16/fp32 ``values [total, H, D]`` twice (exponents, then data)."""
+    return _rebase_sequence(values, offsets, None, mx_format.check_rounding(rounding))
+
