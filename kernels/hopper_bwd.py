@@ -1,0 +1,550 @@
+"""Varlen MXFP8 attention backward for Hopper (sm_90): FlashAttention-2 dataflow in Triton.
+
+Dataflow (DESIGN.md section 3), recomputing P from the forward's LSE:
+``Delta = rowsum(dO * O)``; ``P = exp(S - LSE)``; ``dV = P^T dO``; ``dP = dO V^T``;
+``dS = P * (dP - Delta)``; ``dQ = dS K * scale``; ``dK = dS^T Q * scale``.
+
+Scales on Hopper (DESIGN.md section 6). FP8 wgmma has no block-scaled mode, so every operand's
+scale is kept constant along the reduction of the GEMM that reads it and applied outside it:
+
+* head_dim axis (Q, K for S; dO, V for dP): one scale per token, i.e. the spec's 32-wide MX
+  blocks rebased to the token's largest block exponent. The inputs are high precision, so we
+  quantize with that exponent directly (one rounding instead of two). The per-row and
+  per-column factors multiply the fp32 S / dP tiles.
+* sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and
+  dO shared by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to
+  the sequence's largest exponent. It is constant along the whole dK / dV / dQ reduction, so
+  the MMAs chain in their accumulators and the scale is applied once in the epilogue. These
+  copies are stored transposed, ``[heads, D, padded_total]`` with sequence ``b`` at padded row
+  ``padded_seq_start``, so that the sequence axis is contiguous (K-major), as FP8 wgmma needs
+  for both operands. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there (the
+  placement rule guarantees it); the producer writes them in full, zeros past the end, so the
+  kernels read these tiles without masks.
+* P: the static 2^8 scale. dS: one scale per kernel tile (the spec's 32x32 tiles rebased to a
+  common exponent; the same bytes serve dS for dQ and dS^T for dK), taken as the running
+  maximum over the tiles a program has reduced so far: the accumulator is rescaled by an exact
+  power of two <= 1 when the maximum grows, never overflows, and tiles far below the maximum
+  (whose contribution is as far below) are quantized on its grid.
+
+Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, then
+:func:`_quantize_kernel`; for dO the second pass emits both layouts, Delta and the LSE in log2
+units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
+head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
+dV in registers and, by default, adding dQ into an fp32 buffer with atomics); and for
+``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_attn.mx_format import E4M3_MAX, P_STATIC_EXP
+from jagged_attn.offsets import padded_total
+
+from . import fp8
+from .layout import padded_seq_start, rceil_scale_byte
+
+LOG2E = tl.constexpr(1.0 / math.log(2.0))
+P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
+E4M3_LIMIT = tl.constexpr(E4M3_MAX)
+SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
+PRODUCER_TILE = 128  # tokens per producer program
+PRODUCER_WARPS = 8
+HEAD_DIMS = (64, 128)
+
+
+# ----------------------------------------------------------------------------- scale helpers
+
+
+@triton.jit
+def _byte_to_scale(byte):
+    """fp32 ``2^(byte - 127)`` for E8M0 bytes in [1, 254] (0.0 for byte 0)."""
+    return (byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _byte_to_inverse_scale(byte):
+    """fp32 ``2^(127 - byte)``."""
+    return ((254 - byte) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_byte(amax):
+    """E8M0 byte (rceil rule, owned by ``mx_format``) for fp32 maxima ``amax``."""
+    return rceil_scale_byte((amax / E4M3_LIMIT).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
+    """Quantize the fp32 tile ``x`` on the grid of ``max(running_byte, its own byte)``.
+
+    Returns (e4m3 tile, the new running byte, ``2^(running_byte - new byte)``: the factor <= 1
+    that brings an accumulator kept in units of the old running scale to the new one).
+    """
+    byte = tl.maximum(_scale_byte(tl.max(tl.max(tl.abs(x), axis=1), axis=0)), running_byte)
+    rescale = _byte_to_scale(tl.maximum(running_byte - byte + 127, 0))
+    return fp8.to_e4m3(x * _byte_to_inverse_scale(byte), INTERPRET), byte, rescale
+
+
+# ----------------------------------------------------------------------------- producer
+
+
+@triton.jit
+def _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    """fp32 tile ``[TILE, D]`` of sequence ``b``, head ``h`` (zeros past its end), its natural
+    offsets, its token rows inside the sequence and the in-sequence mask."""
+    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
+    seq_len = tl.load(offsets_ptr + b + 1).to(tl.int64) - seq_start
+    rows = tile * TILE + tl.arange(0, TILE)
+    in_seq = rows < seq_len
+    natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    return x, natural, seq_start, rows, in_seq
+
+
+@triton.jit
+def _sequence_amax_kernel(
+    x_ptr, offsets_ptr, amax_ptr, batch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+):
+    """Per-(head, sequence, channel) absolute maxima into ``amax`` (int32 bits of the fp32
+    values, ``[H, B, D]``, zero-initialized): non-negative floats order like their bits."""
+    tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x, _, _, _, _ = _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS, HEAD_DIM, TILE)
+    amax_bits = tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_ptr + (h * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, offsets_ptr,
+    feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
+    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits [H, B, D] -> e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
+    out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
+    total, padded, batch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
+    FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
+
+    FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
+    each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
+    stored transposed. DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where
+    LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key).
+    """
+    tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x, natural, seq_start, rows, in_seq = _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS, HEAD_DIM, TILE)
+    if tile * TILE >= tl.load(offsets_ptr + b + 1) - seq_start:
+        return
+    tokens = seq_start + rows
+    channels = tl.arange(0, HEAD_DIM)
+    if FEATURE:
+        byte = _scale_byte(tl.max(tl.abs(x), axis=1))
+        data = fp8.to_e4m3(x * _byte_to_inverse_scale(byte)[:, None], INTERPRET)
+        tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
+        tl.store(feature_scale_ptr + h * total + tokens, _byte_to_scale(byte), mask=in_seq)
+    if SEQUENCE:
+        group = h // GROUP
+        amax_bits = tl.zeros([HEAD_DIM], dtype=tl.int32)
+        for j in tl.static_range(GROUP):
+            head_amax = tl.load(amax_ptr + ((group * GROUP + j) * batch + b) * HEAD_DIM + channels)
+            amax_bits = tl.maximum(amax_bits, head_amax)
+        byte = _scale_byte(amax_bits.to(tl.float32, bitcast=True))
+        data = fp8.to_e4m3(x * _byte_to_inverse_scale(byte)[None, :], INTERPRET)
+        padded_rows = padded_seq_start(seq_start, b) + rows
+        transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
+        tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
+        tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, _byte_to_scale(byte))
+    if DELTA:
+        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+        tl.store(delta_ptr + h * total + tokens, tl.sum(x * o, axis=1), mask=in_seq)
+        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+
+
+# ----------------------------------------------------------------------------- main kernel
+
+
+@triton.jit
+def _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b):
+    """(first query row, query length, first key row, key length) of sequence ``b``, int64."""
+    q_start = tl.load(offsets_q_ptr + b).to(tl.int64)
+    k_start = tl.load(offsets_k_ptr + b).to(tl.int64)
+    return q_start, tl.load(offsets_q_ptr + b + 1) - q_start, k_start, tl.load(offsets_k_ptr + b + 1) - k_start
+
+
+@triton.jit
+def _visible(n, m, len_k, causal_shift, CAUSAL: tl.constexpr):
+    """bool, broadcast of key indices ``n`` and query indices ``m``: the key exists and
+    (causal, bottom-right aligned) the query sees it."""
+    visible = n < len_k
+    if CAUSAL:
+        visible = visible & (n <= m + causal_shift)
+    return visible
+
+
+@triton.jit
+def _load_kv_tile(
+    k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
+    total_k, padded_k, qk_log2,
+    HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Key tile ``[BLOCK_N, D]`` (scales times ``qk_log2``), value tile, and the transposed
+    sequence-axis key tile ``[D, BLOCK_N]``; zeros past ``len_k``."""
+    n_idx = n_start + tl.arange(0, BLOCK_N)
+    n_in = n_idx < len_k
+    channels = tl.arange(0, HEAD_DIM)
+    natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
+    scales = kv_head * total_k + k_start + n_idx
+    k = tl.load(k_ptr + natural, mask=n_in[:, None], other=0.0)
+    k_scale = tl.load(k_scale_ptr + scales, mask=n_in, other=0.0) * qk_log2
+    v = tl.load(v_ptr + natural, mask=n_in[:, None], other=0.0)
+    v_scale = tl.load(v_scale_ptr + scales, mask=n_in, other=0.0)
+    rows = (kv_head * HEAD_DIM + channels).to(tl.int64)
+    columns = padded_seq_start(k_start, b) + n_idx
+    kt = tl.load(kt_ptr + rows[:, None] * padded_k + columns[None, :])
+    return k, k_scale, v, v_scale, kt
+
+
+@triton.jit
+def _dkdv_step(
+    dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
+    q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_channel_scale,
+    len_q, len_k, causal_shift, padded_q,
+    HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One query tile against the program's key tile; every pointer is already at (sequence, head).
+
+    Rows past ``len_q`` load as zeros with lse2 = +inf, so their P is 0 without a mask; MASKED
+    adds the key-bound and causal masks for the tiles that need them. dv_acc is in units of
+    the dO sequence scales (epilogue), dk_acc in units of the Q sequence scales times the
+    running dS scale ``2^(ds_byte - 127)``.
+    """
+    m_idx = m_start + tl.arange(0, BLOCK_M)
+    m_in = m_idx < len_q
+    channels = tl.arange(0, HEAD_DIM)
+    natural = m_idx[:, None] * (HEADS_Q * HEAD_DIM) + channels[None, :]
+    transposed = channels[:, None].to(tl.int64) * padded_q + m_idx[None, :]
+
+    q = tl.load(q_ptr + natural, mask=m_in[:, None], other=0.0)
+    q_scale = tl.load(q_scale_ptr + m_idx, mask=m_in, other=0.0)
+    lse2 = tl.load(lse2_ptr + m_idx, mask=m_in, other=float("inf"))
+    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * (k_scale[:, None] * q_scale[None, :]) - lse2[None, :])
+    if MASKED:
+        p_t = tl.where(_visible(n_idx[:, None], m_idx[None, :], len_k, causal_shift, CAUSAL), p_t, 0.0)
+
+    do_t = tl.load(dot_ptr + transposed)
+    dv_acc = tl.dot(fp8.to_e4m3(p_t * P_SCALE, INTERPRET), tl.trans(do_t), dv_acc)
+
+    do = tl.load(do_ptr + natural, mask=m_in[:, None], other=0.0)
+    do_scale = tl.load(do_scale_ptr + m_idx, mask=m_in, other=0.0)
+    delta = tl.load(delta_ptr + m_idx, mask=m_in, other=0.0)
+    dp_t = tl.dot(v, tl.trans(do)) * (v_scale[:, None] * do_scale[None, :])
+    ds8_t, ds_byte, rescale = _quantize_running(p_t * (dp_t - delta[None, :]), ds_byte, INTERPRET)
+
+    q_t = tl.load(qt_ptr + transposed)
+    dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
+    if ACCUMULATE_DQ:
+        dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * _byte_to_scale(ds_byte))[None, :]
+        tl.atomic_add(dq_ptr + natural, dq, mask=m_in[:, None], sem="relaxed")
+    return dk_acc, dv_acc, ds_byte
+
+
+@triton.jit
+def _dkdv_kernel(
+    q_ptr, q_scale_ptr, qt_ptr, qt_scale_ptr,
+    k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr,
+    v_ptr, v_scale_ptr,
+    do_ptr, do_scale_ptr, dot_ptr, dot_scale_ptr,
+    lse2_ptr, delta_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    offsets_q_ptr, offsets_k_ptr,
+    total_q, total_k, padded_q, padded_k, batch, softmax_scale,
+    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
+
+    Layouts as written by :func:`_quantize_kernel`: natural e4m3 ``[total, H, D]`` with fp32
+    per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
+    ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
+    ``[total_q, Hq, D]``; dk, dv in the output dtype ``[total_k, Hkv, D]``.
+    """
+    n_tile, b, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start, len_q, k_start, len_k = _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b)
+    n_start = n_tile * BLOCK_N
+    if n_start >= len_k:
+        return
+    causal_shift = len_k - len_q
+    n_idx = n_start + tl.arange(0, BLOCK_N)
+    n_in = n_idx < len_k
+    channels = tl.arange(0, HEAD_DIM)
+    kv_natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
+    k, k_scale, v, v_scale, kt = _load_kv_tile(
+        k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
+        total_k, padded_k, softmax_scale * LOG2E, HEADS_KV, HEAD_DIM, BLOCK_N,
+    )
+    sequence_scales = (kv_head * batch + b) * HEAD_DIM + channels
+    dq_channel_scale = tl.load(kt_scale_ptr + sequence_scales) * softmax_scale
+
+    # Query tiles before m_lo see none of these keys; from m_full on they see all of them.
+    # (All bounds stay multiples of BLOCK_M so the compiler knows the loads are aligned.)
+    m_end = tl.cdiv(len_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        m_lo = tl.maximum(n_start - causal_shift, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    m_full = tl.where(n_start + BLOCK_N > len_k, m_end, m_full)  # a partial key tile masks everywhere
+    m_full = tl.minimum(tl.maximum(m_full, m_lo), m_end)
+
+    dk_acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    ds_byte = SMALLEST_NORMAL_BYTE
+    group = HEADS_Q // HEADS_KV
+    padded_q_start = padded_seq_start(q_start, b)
+    for h in tl.range(kv_head * group, (kv_head + 1) * group):
+        q_off = q_start * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
+        scale_off = h * total_q + q_start
+        t_off = tl.cast(h * HEAD_DIM, tl.int64) * padded_q + padded_q_start
+        for phase in tl.static_range(2):  # the masked query tiles, then the fully visible ones
+            for m_start in tl.range(m_lo if phase == 0 else m_full, m_full if phase == 0 else m_end, BLOCK_M):
+                dk_acc, dv_acc, ds_byte = _dkdv_step(
+                    dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
+                    q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off, do_scale_ptr + scale_off,
+                    dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off, dq_ptr + q_off, dq_channel_scale,
+                    len_q, len_k, causal_shift, padded_q,
+                    HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, ACCUMULATE_DQ, INTERPRET,
+                )
+    dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (_byte_to_scale(ds_byte) * softmax_scale)
+    dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
+    tl.store(dk_ptr + kv_natural, (dk_acc * dk_scale[None, :]).to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
+    tl.store(dv_ptr + kv_natural, (dv_acc * dv_scale[None, :]).to(dv_ptr.dtype.element_ty), mask=n_in[:, None])
+
+
+# ----------------------------------------------------------------------------- deterministic dQ
+
+
+@triton.jit
+def _dq_step(
+    dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
+    k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
+    total_k, padded_k, causal_shift, qk_log2,
+    HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One key tile against the program's query tile: ``dq_acc += dS K`` in units of the K
+    sequence scales times the running dS scale."""
+    k, k_scale, v, v_scale, kt = _load_kv_tile(
+        k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
+        total_k, padded_k, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N,
+    )
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * (q_scale[:, None] * k_scale[None, :]) - lse2[:, None])
+    if MASKED:
+        n_idx = n_start + tl.arange(0, BLOCK_N)
+        p = tl.where(_visible(n_idx[None, :], m_idx[:, None], len_k, causal_shift, CAUSAL), p, 0.0)
+    dp = tl.dot(do, tl.trans(v)) * (do_scale[:, None] * v_scale[None, :])
+    ds8, ds_byte, rescale = _quantize_running(p * (dp - delta[:, None]), ds_byte, INTERPRET)
+    return tl.dot(ds8, tl.trans(kt), dq_acc * rescale), ds_byte
+
+
+@triton.jit
+def _dq_kernel(
+    q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr, v_ptr, v_scale_ptr,
+    do_ptr, do_scale_ptr, lse2_ptr, delta_ptr, dq_ptr,
+    offsets_q_ptr, offsets_k_ptr,
+    total_q, total_k, padded_k, batch, softmax_scale,
+    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dQ of one (BLOCK_M query tile, sequence, query head), looping over its key tiles in order
+    (no atomics: bit-identical run to run). Layouts as in :func:`_dkdv_kernel`; dq in the output
+    dtype ``[total_q, Hq, D]``."""
+    m_tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start, len_q, k_start, len_k = _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b)
+    m_start = m_tile * BLOCK_M
+    if m_start >= len_q:
+        return
+    causal_shift = len_k - len_q
+    kv_head = h // (HEADS_Q // HEADS_KV)
+    m_idx = m_start + tl.arange(0, BLOCK_M)
+    m_in = m_idx < len_q
+    channels = tl.arange(0, HEAD_DIM)
+    natural = (q_start + m_idx)[:, None] * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM + channels[None, :]
+    scales = h * total_q + q_start + m_idx
+    qk_log2 = softmax_scale * LOG2E
+    q = tl.load(q_ptr + natural, mask=m_in[:, None], other=0.0)
+    q_scale = tl.load(q_scale_ptr + scales, mask=m_in, other=0.0)
+    do = tl.load(do_ptr + natural, mask=m_in[:, None], other=0.0)
+    do_scale = tl.load(do_scale_ptr + scales, mask=m_in, other=0.0)
+    lse2 = tl.load(lse2_ptr + scales, mask=m_in, other=float("inf"))
+    delta = tl.load(delta_ptr + scales, mask=m_in, other=0.0)
+
+    # Key tiles before n_full are seen by every query of the tile; from n_end on by none.
+    n_end = len_k
+    n_full = len_k // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        n_end = tl.minimum(tl.maximum(m_start + BLOCK_M + causal_shift, 0), len_k)
+        n_full = tl.minimum(tl.maximum(m_start + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, n_full)
+    dq_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    ds_byte = SMALLEST_NORMAL_BYTE
+    for phase in tl.static_range(2):  # the fully visible key tiles, then the masked ones
+        for n_start in tl.range(0 if phase == 0 else n_full, n_full if phase == 0 else n_end, BLOCK_N):
+            dq_acc, ds_byte = _dq_step(
+                dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
+                k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
+                total_k, padded_k, causal_shift, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1, INTERPRET,
+            )
+    dq_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels) * (_byte_to_scale(ds_byte) * softmax_scale)
+    tl.store(dq_ptr + natural, (dq_acc * dq_scale[None, :]).to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+class _Quantized:
+    """What the producer wrote for one tensor (unrequested fields stay None)."""
+
+    def __init__(self, feature=None, feature_scale=None, sequence=None, sequence_scale=None):
+        self.feature, self.feature_scale = feature, feature_scale
+        self.sequence, self.sequence_scale = sequence, sequence_scale
+
+
+def _quantize(x, offsets, max_len, *, feature, sequence, group=1, out=None, lse=None):
+    """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
+
+    ``sequence`` scales are shared by each ``group`` of consecutive heads. With ``out`` and
+    ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
+    """
+    total, heads, dim = x.shape
+    batch = offsets.numel() - 1
+    padded = padded_total(total, batch)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    e4m3 = dict(dtype=torch.float8_e4m3fn, device=x.device)
+    result = _Quantized()
+    with_delta = out is not None
+    delta = torch.empty(heads, total, **f32) if with_delta else None
+    lse2 = torch.empty(heads, total, **f32) if with_delta else None
+    if feature:
+        result.feature, result.feature_scale = torch.empty(x.shape, **e4m3), torch.empty(heads, total, **f32)
+    if sequence:
+        result.sequence = torch.empty(heads, dim, padded, **e4m3)
+        result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
+    if max_len == 0:
+        return result, delta, lse2
+    grid = (triton.cdiv(max_len, PRODUCER_TILE), batch, heads)
+    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, num_warps=PRODUCER_WARPS)
+    amax = torch.zeros(heads, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
+    if sequence:
+        _sequence_amax_kernel[grid](x, offsets, amax, batch, **shape)
+    unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
+    _quantize_kernel[grid](
+        x, offsets,
+        result.feature if feature else unused, result.feature_scale if feature else unused,
+        amax if sequence else unused, result.sequence if sequence else unused,
+        result.sequence_scale if sequence else unused,
+        out if with_delta else unused, lse if with_delta else unused,
+        delta if with_delta else unused, lse2 if with_delta else unused,
+        total, padded, batch, GROUP=group,
+        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, INTERPRET=fp8.INTERPRETED, **shape,
+    )
+    return result, delta, lse2
+
+
+def _default_config(device: torch.device) -> dict:
+    """Tile sizes: GPU-tuned on sm_90, small ones for the CPU interpreter."""
+    if device.type == "cuda":
+        return dict(block_m=64, block_n=128, num_warps=8, num_stages=2)
+    return dict(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+
+def _check_inputs(dout, q, k, v, out, lse):
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"expected q/dout/out [total_q, Hq, D] and k/v [total_k, Hkv, D], got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, dout {tuple(dout.shape)}, out {tuple(out.shape)}"
+        )
+    if q.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2]:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for q and k, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if tuple(lse.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"lse must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(lse.shape)}")
+
+
+def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
+                   deterministic, block_m, block_n, num_warps, num_stages):
+    """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`."""
+    heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    batch = offsets_q.numel() - 1
+    total_q, total_k = q.shape[0], k.shape[0]
+    if batch == 0:
+        return
+    max_len_q = int((offsets_q[1:] - offsets_q[:-1]).max())
+    max_len_k = int((offsets_k[1:] - offsets_k[:-1]).max())
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    lse = lse.to(torch.float32).contiguous()
+    group = heads_q // heads_kv
+    q8, _, _ = _quantize(q, offsets_q, max_len_q, feature=True, sequence=True, group=group)
+    k8, _, _ = _quantize(k, offsets_k, max_len_k, feature=True, sequence=True)
+    v8, _, _ = _quantize(v, offsets_k, max_len_k, feature=True, sequence=False)
+    do8, delta, lse2 = _quantize(dout, offsets_q, max_len_q, feature=True, sequence=True, group=group, out=out, lse=lse)
+    padded_q, padded_k = padded_total(total_q, batch), padded_total(total_k, batch)
+    meta = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_len_k > 0:
+        dq_accum = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        _dkdv_kernel[(triton.cdiv(max_len_k, block_n), batch, heads_kv)](
+            q8.feature, q8.feature_scale, q8.sequence, q8.sequence_scale,
+            k8.feature, k8.feature_scale, k8.sequence, k8.sequence_scale,
+            v8.feature, v8.feature_scale,
+            do8.feature, do8.feature_scale, do8.sequence, do8.sequence_scale,
+            lse2, delta, dq_accum, dk, dv, offsets_q, offsets_k,
+            total_q, total_k, padded_q, padded_k, batch, softmax_scale,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            CAUSAL=causal, ACCUMULATE_DQ=not deterministic, INTERPRET=fp8.INTERPRETED, **meta,
+        )
+    if max_len_q == 0:
+        return
+    if deterministic:
+        _dq_kernel[(triton.cdiv(max_len_q, block_m), batch, heads_q)](
+            q8.feature, q8.feature_scale, k8.feature, k8.feature_scale, k8.sequence, k8.sequence_scale,
+            v8.feature, v8.feature_scale, do8.feature, do8.feature_scale, lse2, delta, dq,
+            offsets_q, offsets_k, total_q, total_k, padded_k, batch, softmax_scale,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            CAUSAL=causal, INTERPRET=fp8.INTERPRETED, **meta,
+        )
+    elif max_len_k > 0:
+        dq.copy_(dq_accum)
+    else:
+        dq.zero_()
+
+
+def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
+                       deterministic: bool = False):
+    """dQ, dK, dV of varlen MXFP8 attention (DESIGN.md section 3 dataflow, Hopper scale handling).
+
+    dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``, high precision (fp32, bf16
+    or fp16); lse: float32 ``[total_q, Hq]``, natural log, -inf for rows that see no key;
+    offsets_q / offsets_k: int32 or int64 ``[B + 1]``. Causal is bottom-right aligned; D is 64
+    or 128; ``Hq % Hkv == 0`` (dK, dV summed over each KV head's query-head group). Returns
+    (dq, dk, dv) in the inputs' dtypes.
+
+    ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer with atomics
+    (order varies run to run). ``deterministic=True`` instead runs a second kernel per query tile
+    that loops over its key tiles in order: bit-identical results, at the price of recomputing
+    S and dP there (two extra GEMMs of the five, about 1.4x the FLOPs) and a second pass over K, V.
+    """
+    _check_inputs(dout, q, k, v, out, lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                   softmax_scale=softmax_scale, deterministic=deterministic, **_default_config(q.device))
+    return dq, dk, dv

@@ -1,0 +1,273 @@
+"""Tests of the Hopper MXFP8 attention backward (``kernels/hopper_bwd.py``).
+
+CPU: the Triton interpreter on tiny ragged shapes against ``reference_backward``; an sm_90 compile
+check for FP8 wgmma. GPU (``-m gpu``): accuracy on realistic shapes and input families, and timings
+against cuDNN's BF16 backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jagged_attn.kernels import fp8, hopper_bwd
+from jagged_attn.mxfp8 import quantize_mxfp8
+from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.reference import reference_backward, reference_forward
+
+from compile_util import compile_ptx
+
+if fp8.INTERPRETED:
+    # numpy >= 2.4 refuses int() of the interpreter's one-element scalar arrays, which breaks
+    # loops with run-time bounds (tl.range); read the element instead.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_with_index(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_with_index
+
+REL_L2_VS_REFERENCE = 2e-2
+COSINE_SLACK = 1e-3
+
+
+def rel_l2(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
+
+
+def cosine(x, ref):
+    return float(torch.nn.functional.cosine_similarity(x.double().flatten(), ref.double().flatten(), dim=0))
+
+
+def make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, *, device="cpu", dtype=torch.float32, kind="gaussian"):
+    """Random jagged q, k, v, dout of an input family (DESIGN.md section 7) and their offsets."""
+    offsets_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device)
+    offsets_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(total_q, heads_q, dim, device=device)
+    k = torch.randn(total_k, heads_kv, dim, device=device)
+    v = torch.randn(total_k, heads_kv, dim, device=device)
+    dout = torch.randn(total_q, heads_q, dim, device=device)
+    if kind == "outlier":
+        channels = torch.randperm(dim, device=device)[:4]
+        q[..., channels] *= 30.0
+        k[..., channels] *= 30.0
+    elif kind == "heavy":
+        q *= torch.exp(torch.randn(total_q, heads_q, 1, device=device))
+        k *= torch.exp(torch.randn(total_k, heads_kv, 1, device=device))
+        dout *= torch.exp(torch.randn(total_q, heads_q, 1, device=device))
+    elif kind == "peaked":
+        q *= 4.0
+    return [t.to(dtype) for t in (q, k, v, dout)] + [offsets_q, offsets_k]
+
+
+def forward_of(q, k, v, offsets_q, offsets_k, causal, scale):
+    """(out, lse) of the MXFP8 forward, as the autograd forward saves them."""
+    deq = lambda x, off, axis: quantize_mxfp8(x, off, axis=axis).dequantize()  # noqa: E731
+    out, lse = reference_forward(
+        deq(q, offsets_q, "feature"), deq(k, offsets_k, "feature"), deq(v, offsets_k, "sequence"),
+        offsets_q, offsets_k, causal=causal, softmax_scale=scale,
+    )
+    return out.to(q.dtype), lse.float()
+
+
+def run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic=False, **config):
+    """hopper_bwd gradients written into NaN-poisoned buffers (so unwritten elements show)."""
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    config = config or hopper_bwd._default_config(q.device)
+    hopper_bwd._backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                              softmax_scale=scale, deterministic=deterministic, **config)
+    return grads
+
+
+# ----------------------------------------------------------------------------- CPU interpreter
+
+CASES = [
+    # lengths_q, lengths_k, heads_q, heads_kv, dim, causal
+    ([33], [33], 1, 1, 64, False),
+    ([0, 1, 31, 33, 129], [5, 40, 0, 33, 100], 2, 1, 64, True),  # cross, causal Lq > Lk and Lq < Lk, GQA
+    ([32, 1, 70], [32, 65, 3], 2, 2, 128, False),
+    ([40, 0, 17], [64, 9, 0], 4, 2, 128, True),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c[0]}-k{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-causal{c[5]}")
+def test_matches_reference(case, deterministic):
+    lengths_q, lengths_k, heads_q, heads_kv, dim, causal = case
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
+    scale = dim**-0.5
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+    expected = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
+    got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic)
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert torch.isfinite(g).all(), f"{name} has unwritten (NaN) elements"
+        assert rel_l2(g, e) < REL_L2_VS_REFERENCE, f"{name}: rel-L2 {rel_l2(g, e):.3e}"
+
+
+def test_deterministic_is_bit_identical_and_public_entry_point():
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([50, 7], [20, 64], 2, 1, 64)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, True, 0.125)
+    args = (dout, q, k, v, out, lse, offsets_q, offsets_k)
+    first = hopper_bwd.attention_backward(*args, causal=True, softmax_scale=0.125, deterministic=True)
+    second = hopper_bwd.attention_backward(*args, causal=True, softmax_scale=0.125, deterministic=True)
+    for a, b in zip(first, second):
+        assert a.dtype == q.dtype and torch.equal(a, b)
+
+
+def test_rejects_bad_shapes():
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([4], [4], 3, 2, 64)
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2])
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        hopper_bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=False, softmax_scale=1.0)
+
+
+def _signature(kernel_args, pointer_types, constexprs):
+    signature = {name: pointer_types.get(name, "i32") for name in kernel_args}
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature
+
+
+def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
+    names = hopper_bwd._dkdv_kernel.arg_names
+    constexprs = dict(HEADS_Q=4, HEADS_KV=2, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CAUSAL=True,
+                      ACCUMULATE_DQ=True, INTERPRET=False)
+    pointers = {n: ("*fp8e4nv" if n in ("q_ptr", "qt_ptr", "k_ptr", "kt_ptr", "v_ptr", "do_ptr", "dot_ptr")
+                    else "*bf16" if n in ("dk_ptr", "dv_ptr") else "*i32" if n.startswith("offsets") else "*fp32")
+                for n in names if n.endswith("_ptr")}
+    pointers["softmax_scale"] = "fp32"
+    ptx = compile_ptx("jagged_attn.kernels.hopper_bwd", "_dkdv_kernel", _signature(names, pointers, constexprs),
+                      constexprs, arch=90, num_warps=8)
+    assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
+
+
+# ----------------------------------------------------------------------------- GPU
+
+KINDS = ("gaussian", "outlier", "heavy", "peaked")
+
+
+def exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale):
+    """fp64 gradients of exact attention on the unquantized inputs."""
+    f64 = [t.double() for t in (q, k, v, dout)]
+    out, lse = reference_forward(*f64[:3], offsets_q, offsets_k, causal=causal, softmax_scale=scale,
+                                 compute_dtype=torch.float64, fp8=False)
+    return reference_backward(f64[3], *f64[:3], out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale,
+                              compute_dtype=torch.float64, fp8=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_accuracy(kind, causal):
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(
+        [1000, 0, 517, 2048, 129], [1100, 64, 517, 1500, 1], 8, 2, 128, device="cuda", dtype=torch.bfloat16, kind=kind)
+    scale = 128**-0.5
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+    reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
+    exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
+    for deterministic in (False, True):
+        got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic)
+        for name, g, r, e in zip(("dq", "dk", "dv"), got, reference, exact):
+            print(f"[bwd-accuracy] {kind:8s} causal={causal:d} det={deterministic:d} {name}: rel-L2 vs reference "
+                  f"{rel_l2(g, r):.3e}; cosine vs fp64 {cosine(g, e):.6f} (reference {cosine(r, e):.6f}); "
+                  f"rel-L2 vs fp64 {rel_l2(g, e):.3e} (reference {rel_l2(r, e):.3e})")
+            assert torch.isfinite(g).all(), name
+            assert rel_l2(g, r) < REL_L2_VS_REFERENCE, name
+            assert cosine(g, e) >= cosine(r, e) - COSINE_SLACK, name
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_vs_bf16_gradients():
+    """How far MXFP8 gradients are from fp64, next to BF16 attention's (torch SDPA) gradients."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    batch, length, heads, dim = 2, 2048, 8, 128
+    scale = dim**-0.5
+    for kind in KINDS:
+        for causal in (False, True):
+            q, k, v, dout, offsets_q, offsets_k = make_inputs([length] * batch, [length] * batch, heads, heads, dim,
+                                                              device="cuda", dtype=torch.bfloat16, kind=kind)
+            exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
+            out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+            mx = hopper_bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                                               softmax_scale=scale)
+            dense = [t.view(batch, length, heads, dim).transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+            bf16_out = sdpa(*dense, is_causal=causal, scale=scale)
+            bf16 = torch.autograd.grad(bf16_out, dense, dout.view(batch, length, heads, dim).transpose(1, 2))
+            bf16 = [g.transpose(1, 2).reshape(-1, heads, dim) for g in bf16]
+            for name, m, b, e in zip(("dq", "dk", "dv"), mx, bf16, exact):
+                print(f"[bwd-vs-bf16] {kind:8s} causal={causal:d} {name}: rel-L2 vs fp64 MXFP8 {rel_l2(m, e):.3e} "
+                      f"BF16 {rel_l2(b, e):.3e}; cosine MXFP8 {cosine(m, e):.6f} BF16 {cosine(b, e):.6f}")
+
+
+def _dense_problem(batch, length, heads, dim, causal):
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([length] * batch, [length] * batch, heads, heads, dim,
+                                                      device="cuda", dtype=torch.bfloat16)
+    dense = [t.view(batch, length, heads, dim).transpose(1, 2) for t in (q, k, v)]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(*dense, 0.0, causal, False, scale=dim**-0.5)[:2]
+    out = out.transpose(1, 2).reshape(q.shape).contiguous()
+    lse = lse.transpose(1, 2).reshape(q.shape[:2]).float().contiguous()
+    return q, k, v, dout, out, lse, offsets_q, offsets_k
+
+
+@pytest.mark.gpu
+def test_gpu_timing():
+    """Backward TFLOP/s (2.5 x forward FLOPs / backward time) against cuDNN BF16, dense 8 x 8192 x 16, d128."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    batch, length, heads, dim = 8, 8192, 16, 128
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")  # noqa: E731
+    rows = []
+    for causal in (False, True):
+        flops = 2.5 * 4 * batch * length * length * dim * heads * (0.5 if causal else 1.0)
+        q, k, v, dout, out, lse, offsets_q, offsets_k = _dense_problem(batch, length, heads, dim, causal)
+        dense = [t.view(batch, length, heads, dim).transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn_out = sdpa(*dense, is_causal=causal)
+            grad = dout.view(batch, length, heads, dim).transpose(1, 2)
+            cudnn_ms = bench(lambda: torch.autograd.grad(cudnn_out, dense, grad, retain_graph=True))
+        rows.append((f"cuDNN bf16 causal={causal:d}", cudnn_ms, flops / cudnn_ms * 1e-9))
+        runs = [(False, config) for config in TIMING_CONFIGS] + [(True, TIMING_CONFIGS[0])]
+        for deterministic, config in runs:
+            def backward():
+                grads = [torch.empty_like(t) for t in (q, k, v)]
+                hopper_bwd._backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                                          softmax_scale=dim**-0.5, deterministic=deterministic, **config)
+            ms = bench(backward)
+            rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
+        del dense, cudnn_out
+    for name, ms, tflops in rows:
+        print(f"[bwd-timing] {name:90s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s")
+
+
+TIMING_CONFIGS = [  # the default first
+    dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    dict(block_m=64, block_n=128, num_warps=8, num_stages=3),
+]
+
+
+@pytest.mark.gpu
+def test_gpu_preprocessing_bandwidth():
+    """The dO producer (amax pass + quantize pass with Delta) against a device-to-device copy."""
+    import triton.testing
+
+    q, k, v, dout, out, lse, offsets_q, offsets_k = _dense_problem(8, 8192, 16, 128, False)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
+    copy_target = torch.empty_like(dout)
+    copy_ms = bench(lambda: copy_target.copy_(dout))
+    copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-9
+    produce_ms = bench(lambda: hopper_bwd._quantize(dout, offsets_q, 8192, feature=True, sequence=True, out=out, lse=lse))
+    # Bytes moved: dO read twice (amax pass, quantize pass) and O once; e4m3 written twice; per-token fp32 outputs.
+    elements = dout.numel()
+    produce_bytes = elements * (3 * dout.element_size() + 2) + dout.shape[0] * dout.shape[1] * 4 * 4
+    produce_bandwidth = produce_bytes / produce_ms * 1e-9
+    print(f"[bwd-producer] copy {copy_bandwidth:.0f} GB/s; dO producer {produce_ms:.3f} ms {produce_bandwidth:.0f} GB/s "
+          f"= {produce_bandwidth / copy_bandwidth:.0%} of copy")
