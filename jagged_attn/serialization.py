@@ -123,18 +123,22 @@ class MXFP8FileWriter:
         }
         # int64 offsets first, so that every multi-byte tensor starts 8-byte aligned.
         order = sorted(self._specs, key=lambda key: -_itemsize(self._specs[key][0]))
-        self._regions, begin = {}, 0
+        self._regions, buffer_bytes = {}, 0
         for key in order:
             size = _num_bytes(*self._specs[key])
-            self._regions[key] = (begin, begin + size)
-            begin += size
+            self._regions[key] = (buffer_bytes, buffer_bytes + size)
+            buffer_bytes += size
         self._unwritten = {key: end - begin for key, (begin, end) in self._regions.items()}
         self._header = self._encode_header(_CHECKSUM_PREFIX + "0" * 64)
         self._tmp_path = f"{self._path}.tmp{os.getpid()}"
         self._fd = os.open(self._tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self._fd, len(self._header) + begin)
-        for name, entry_offsets in offsets.items():
-            self._write(f"{name}.offsets", entry_offsets, 0, 0, (entry_offsets.numel(),))
+        try:
+            os.ftruncate(self._fd, len(self._header) + buffer_bytes)
+            for name, entry_offsets in offsets.items():
+                self._write(f"{name}.offsets", entry_offsets, 0, 0, (entry_offsets.numel(),))
+        except BaseException:
+            self.abort()
+            raise
 
     def write_data(self, name: str, rows: torch.Tensor, start: int) -> None:
         """Store ``rows`` (e4m3, ``[n, (heads,) D]``) as data rows ``start : start + n`` of entry ``name``."""
@@ -153,13 +157,15 @@ class MXFP8FileWriter:
         expected = (*shape[:dim], block.shape[dim], *shape[dim + 1 :])
         if tuple(block.shape) != expected or start + block.shape[dim] > shape[dim]:
             raise ValueError(f"{key}: block of shape {tuple(block.shape)} at {start} does not fit {tuple(shape)} along dim {dim}")
+        if _FILE_DTYPES.get(block.dtype) != self._specs[key][0]:
+            raise TypeError(f"{key}: block of dtype {block.dtype} for a {self._specs[key][0]} tensor")
         leading = _prod(shape[:dim])
         runs = block.detach().cpu().contiguous().view(torch.uint8).reshape(leading, -1).numpy()
         itemsize = _itemsize(self._specs[key][0])
         stride = _prod(shape[dim:]) * itemsize
         base = len(self._header) + self._regions[key][0] + start * _prod(shape[dim + 1 :]) * itemsize
         for i in range(leading):
-            os.pwrite(self._fd, runs[i], base + i * stride)
+            _pwrite_all(self._fd, memoryview(runs[i]), base + i * stride)
         self._unwritten[key] -= runs.size
 
     def close(self) -> str:
@@ -170,7 +176,7 @@ class MXFP8FileWriter:
         checksum = _checksum(self._metadata, self._specs, self._fd, len(self._header), self._regions)
         header = self._encode_header(checksum)
         assert len(header) == len(self._header)
-        os.pwrite(self._fd, header, 0)
+        _pwrite_all(self._fd, memoryview(header), 0)
         os.close(self._fd)
         self._fd = None
         os.replace(self._tmp_path, self._path)
@@ -366,6 +372,13 @@ def _checksum(metadata, specs, fd, header_bytes, regions) -> str:
                 raise ValueError(f"file ends inside tensor {key!r}")
             digest.update(block)
     return _CHECKSUM_PREFIX + digest.hexdigest()
+
+
+def _pwrite_all(fd, buffer: memoryview, position: int) -> None:
+    """``os.pwrite`` until all of ``buffer`` is written (one call writes at most ~2 GiB on Linux)."""
+    while buffer.nbytes:
+        written = os.pwrite(fd, buffer, position)
+        buffer, position = buffer[written:], position + written
 
 
 def _itemsize(file_dtype: str) -> int:

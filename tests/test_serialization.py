@@ -75,7 +75,7 @@ def test_dict_round_trip_keeps_names_and_order(tmp_path):
     tensors = {
         "v": ragged_mx("sequence", "floor"),
         "k.layer0": ragged_mx("feature", heads=1, head_dim=128, lengths=[5, 0, 77]),
-        "q": ragged_mx("feature", heads=0),
+        "q": ragged_mx("feature", heads=0, offsets_dtype=torch.int32),
     }
     save(tmp_path / "qkv.safetensors", tensors)
     loaded = load(tmp_path / "qkv.safetensors")
