@@ -122,13 +122,14 @@ def _load_or_error(path):
 
 
 def test_fuzz_byte_flips_are_detected(tmp_path):
+    """Every header byte and 200 random payload bytes, each changed to a random other value."""
     mx = ragged_mx("feature", heads=1, head_dim=32, lengths=[3, 0, 40, 129])
     good = tmp_path / "good.safetensors"
     save(good, mx)
     original = good.read_bytes()
     payload = _payload_start(original)
     bad = tmp_path / "bad.safetensors"
-    positions = torch.randint(0, len(original), (300,)).tolist() + torch.randint(payload, len(original), (100,)).tolist()
+    positions = list(range(payload)) + torch.randint(payload, len(original), (200,)).tolist()
     for position in positions:
         data = bytearray(original)
         data[position] ^= int(torch.randint(1, 256, ()))
@@ -137,7 +138,7 @@ def test_fuzz_byte_flips_are_detected(tmp_path):
         if position >= payload:
             assert result is None, f"flip at payload byte {position} was not detected"
         elif result is not None:
-            assert_same(result, mx)  # a flip in the header's padding may be harmless
+            assert_same(result, mx)  # a header change that keeps the meaning is harmless
 
 
 def test_fuzz_truncations_are_rejected(tmp_path):
