@@ -1,0 +1,460 @@
+"""Spec-exact MXFP8 attention on ``tl.dot_scaled``, forward and backward (backend ``"exact"``).
+
+Every GEMM takes its operands as e4m3 values plus E8M0 scales per 32 elements along K, read
+straight from the tiled jagged scale buffers of :class:`~jagged_attn.mxfp8.MXFP8Jagged` (the
+bytes a Blackwell TMA load would move into tensor memory). On sm_100 Triton lowers each
+``tl.dot_scaled`` to ``tcgen05.mma ... kind::mxf8f6f4.block_scale`` (this needs 128-row A tiles);
+on Hopper it emulates the scaled MMA by upcasting to bf16, so there this path is the slow,
+spec-faithful cross-check of the fast kernels.
+
+The arithmetic is the reference backend's (``jagged_attn.reference``), so that the only
+difference is the fp32 accumulation order:
+
+* P = exp2(s - rowmax) uses the *final* row max, so the forward makes two passes over the keys
+  (row max, then P, row sum and P V); P is cast to e4m3 as P * 2^8 with the static scale byte
+  127 - 8, the row sum uses the unquantized P.
+* The backward recomputes P = exp(S - LSE); dS = P * (dP - Delta) is quantized with one scale per
+  32 x 32 tile, replicated over the tile's 32 rows because ``dot_scaled`` takes one scale per
+  (row, 32-wide K block); the same bytes serve dS (for dQ) and dS^T (for dK).
+
+Scale placement comes from ``jagged_attn.kernels.layout`` (the owner modules' formulas).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_attn import mx_format
+from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
+from jagged_attn.offsets import lengths_of
+from jagged_attn.scale_layout import TILE_COLS, num_tiles
+
+from . import fp8
+from .layout import padded_seq_start, rceil_scale_byte, scale_byte_offset
+
+MX_BLOCK = tl.constexpr(mx_format.BLOCK_SIZE)
+E4M3_MAX = tl.constexpr(mx_format.E4M3_MAX)
+E8M0_BIAS = tl.constexpr(mx_format.E8M0_BIAS)
+P_STATIC_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
+P_SCALE_BYTE = tl.constexpr(mx_format.E8M0_BIAS - mx_format.P_STATIC_EXP)
+LOG2E = tl.constexpr(1.0 / math.log(2.0))
+LN2 = tl.constexpr(math.log(2.0))
+FP32_MANTISSA_BITS = tl.constexpr(23)
+
+# sm_100's block-scaled MMA needs 128-row A tiles: every dot_scaled below has M = 128.
+BLOCK_M = 128
+BLOCK_N = 128
+DKDV_BLOCK_M = 64  # query tile of the dK/dV kernel (see dkdv_kernel)
+HEAD_DIMS = (64, 128)
+
+
+@triton.jit
+def sequence_spans(offsets_q, offsets_k, seq):
+    """(first row as int64, length) of sequence ``seq`` in the queries, then in the keys."""
+    q_start = tl.load(offsets_q + seq).to(tl.int64)
+    k_start = tl.load(offsets_k + seq).to(tl.int64)
+    len_q = (tl.load(offsets_q + seq + 1) - q_start).to(tl.int32)
+    return q_start, len_q, k_start, (tl.load(offsets_k + seq + 1) - k_start).to(tl.int32)
+
+
+@triton.jit
+def load_tokens(ptr, first_token, tokens, length, head, heads, D: tl.constexpr):
+    """``[len(tokens), D]`` rows ``first_token + tokens`` of one head of ``[total, heads, D]``; 0 past ``length``."""
+    channels = tl.arange(0, D)
+    offsets = ((first_token + tokens[:, None]) * heads + head) * D + channels[None, :]
+    return tl.load(ptr + offsets, mask=tokens[:, None] < length, other=0.0)
+
+
+@triton.jit
+def feature_scales(scales_ptr, padded_start, tokens, D: tl.constexpr, COL_TILES: tl.constexpr):
+    """uint8 ``[len(tokens), D / 32]``: head_dim-axis scales of one head's tiled buffer."""
+    blocks = tl.arange(0, D // MX_BLOCK)
+    return tl.load(scales_ptr + scale_byte_offset(padded_start + tokens[:, None], blocks[None, :], COL_TILES))
+
+
+@triton.jit
+def sequence_scales(scales_ptr, padded_start, first_token, col_tiles, D: tl.constexpr, TOKENS: tl.constexpr):
+    """uint8 ``[D, TOKENS / 32]``: sequence-axis scales of tokens ``first_token ...`` (a multiple of 32).
+
+    Sequence-axis columns are 32-token blocks of the padded row numbering (``mxfp8.sequence_block_columns``).
+    """
+    channels = tl.arange(0, D)
+    columns = (padded_start + first_token) // MX_BLOCK + tl.arange(0, TOKENS // MX_BLOCK)
+    return tl.load(scales_ptr + scale_byte_offset(channels[:, None], columns[None, :], col_tiles))
+
+
+@triton.jit
+def visible(queries, keys, len_q, len_k, CAUSAL: tl.constexpr):
+    """bool, the broadcast of 2-D index tiles ``queries`` and ``keys``: in range and, when causal,
+    key ``j <= i + len_k - len_q`` (bottom-right aligned)."""
+    mask = (queries < len_q) & (keys < len_k)
+    if CAUSAL:
+        mask = mask & (keys <= queries + (len_k - len_q))
+    return mask
+
+
+@triton.jit
+def visible_keys_end(tile, len_q, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One past the last key that query tile ``tile`` sees."""
+    if CAUSAL:
+        return tl.maximum(tl.minimum(len_k, (tile + 1) * BLOCK_M + len_k - len_q), 0)
+    return len_k
+
+
+@triton.jit
+def per_row(tile_bytes, ROWS: tl.constexpr, COL_BLOCKS: tl.constexpr):
+    """uint8 ``[ROWS, COL_BLOCKS]`` from one byte per 32 x 32 tile ``[ROWS / 32, COL_BLOCKS]``."""
+    rows = tl.broadcast_to(tile_bytes[:, None, :], (ROWS // MX_BLOCK, MX_BLOCK, COL_BLOCKS))
+    return tl.reshape(rows, (ROWS, COL_BLOCKS)).to(tl.uint8)
+
+
+@triton.jit
+def quantize_square_tiles(x, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``[ROWS, COLS]`` -> (e4m3 values, int32 rceil scale byte per 32 x 32 tile ``[ROWS/32, COLS/32]``)."""
+    tiles = tl.reshape(tl.abs(x), (ROWS // MX_BLOCK, MX_BLOCK, COLS // MX_BLOCK, MX_BLOCK))
+    amax = tl.max(tl.max(tiles, axis=3), axis=1)
+    byte = rceil_scale_byte((amax / E4M3_MAX).to(tl.int32, bitcast=True))
+    inverse_scale = ((-byte + 2 * E8M0_BIAS) << FP32_MANTISSA_BITS).to(tl.float32, bitcast=True)  # 2^(127 - byte)
+    per_element = tl.broadcast_to(
+        inverse_scale[:, None, :, None], (ROWS // MX_BLOCK, MX_BLOCK, COLS // MX_BLOCK, MX_BLOCK)
+    )
+    return fp8.to_e4m3(x * tl.reshape(per_element, (ROWS, COLS)), INTERPRET), byte
+
+
+# Triton 3.6 cannot compile (for sm_100) a scaled MMA inside a loop whose accumulator starts from a
+# loop-invariant value such as zeros, so the fresh products start from a term that varies with the
+# tile: the mask bias for S, -Delta for dP.
+
+
+@triton.jit
+def scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2):
+    """S = Q K^T * softmax_scale * log2(e) from feature-axis MX operands, -inf where ``mask`` is false."""
+    bias = tl.where(mask, 0.0, float("-inf"))
+    return tl.dot_scaled(q, q_scale, "e4m3", tl.trans(k), k_scale, "e4m3", bias) * qk_scale_log2
+
+
+@triton.jit
+def forward_kernel(
+    q_ptr, q_scales, k_ptr, k_scales, v_ptr, v_scales, out_ptr, lse_ptr, offsets_q, offsets_k,
+    q_head_bytes, k_head_bytes, v_head_bytes, v_col_tiles, qk_scale_log2,
+    heads_q, heads_kv, D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
+    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start, len_q, k_start, len_k = sequence_spans(offsets_q, offsets_k, seq)
+    if tile * BLOCK_M >= len_q:
+        return
+    kv_head = head // (heads_q // heads_kv)
+    k_padded = padded_seq_start(k_start, seq)
+    k_scales += kv_head * k_head_bytes
+    v_scales += kv_head * v_head_bytes
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = load_tokens(q_ptr, q_start, rows, len_q, head, heads_q, D)
+    q_scale = feature_scales(q_scales + head * q_head_bytes, padded_seq_start(q_start, seq), rows, D, FEATURE_COL_TILES)
+    keys_end = visible_keys_end(tile, len_q, len_k, CAUSAL, BLOCK_M)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for first_key in range(0, keys_end, BLOCK_N):
+        cols = first_key + tl.arange(0, BLOCK_N)
+        k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
+        k_scale = feature_scales(k_scales, k_padded, cols, D, FEATURE_COL_TILES)
+        s = scores_log2(q, q_scale, k, k_scale, visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), qk_scale_log2)
+        row_max = tl.maximum(row_max, tl.max(s, axis=1))
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # rows that see no key: P = 0
+
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    p_scale = tl.full([BLOCK_M, BLOCK_N // MX_BLOCK], P_SCALE_BYTE, tl.uint8)
+    for first_key in range(0, keys_end, BLOCK_N):
+        cols = first_key + tl.arange(0, BLOCK_N)
+        k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
+        k_scale = feature_scales(k_scales, k_padded, cols, D, FEATURE_COL_TILES)
+        s = scores_log2(q, q_scale, k, k_scale, visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), qk_scale_log2)
+        p = tl.exp2(s - row_max[:, None])
+        row_sum += tl.sum(p, axis=1)
+        v = load_tokens(v_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
+        v_scale = sequence_scales(v_scales, k_padded, first_key, v_col_tiles, D, BLOCK_N)
+        p8 = fp8.to_e4m3(p * P_STATIC_SCALE, INTERPRET)
+        acc = tl.dot_scaled(p8, p_scale, "e4m3", v, v_scale, "e4m3", acc)
+
+    seen = row_sum > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, row_sum, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (row_max + tl.log2(row_sum)) * LN2, float("-inf"))
+    channels = tl.arange(0, D)
+    token = q_start + rows
+    tl.store(out_ptr + (token[:, None] * heads_q + head) * D + channels[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < len_q)
+    tl.store(lse_ptr + token * heads_q + head, lse, mask=rows < len_q)
+
+
+@triton.jit
+def score_gradients(s_lhs, s_lhs_scale, s_rhs, s_rhs_scale, dp_lhs, dp_lhs_scale, dp_rhs, dp_rhs_scale,
+                    lse, delta, mask, qk_scale_log2, ROWS: tl.constexpr, COLS: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """P = exp(S - LSE) (fp32) and dS = P * (dP - Delta) as e4m3 with one rceil byte per 32 x 32 tile.
+
+    Either orientation: S = s_lhs s_rhs^T and dP = dp_lhs dp_rhs^T are (Q K^T, dO V^T) for query-major
+    tiles or (K Q^T, V dO^T) for key-major ones; ``lse``, ``delta`` and ``mask`` come broadcast to match.
+    """
+    s = scores_log2(s_lhs, s_lhs_scale, s_rhs, s_rhs_scale, mask, qk_scale_log2)
+    p = tl.where(mask, tl.exp2(s - lse * LOG2E), 0.0)
+    minus_delta = tl.broadcast_to(-delta, (ROWS, COLS))
+    dp_minus_delta = tl.dot_scaled(dp_lhs, dp_lhs_scale, "e4m3", tl.trans(dp_rhs), dp_rhs_scale, "e4m3", minus_delta)
+    ds8, ds_bytes = quantize_square_tiles(tl.where(mask, p * dp_minus_delta, 0.0), ROWS, COLS, INTERPRET)
+    return p, ds8, ds_bytes
+
+
+@triton.jit
+def load_query_rows(q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_start, q_padded, rows, len_q, head,
+                    heads_q, head_bytes, D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr):
+    """Q and dO rows with their head_dim-axis scales, LSE and Delta, for one query head."""
+    q = load_tokens(q_ptr, q_start, rows, len_q, head, heads_q, D)
+    q_scale = feature_scales(q_scales + head * head_bytes, q_padded, rows, D, FEATURE_COL_TILES)
+    do = load_tokens(do_ptr, q_start, rows, len_q, head, heads_q, D)
+    do_scale = feature_scales(do_scales + head * head_bytes, q_padded, rows, D, FEATURE_COL_TILES)
+    lse = tl.load(lse_ptr + (q_start + rows) * heads_q + head, mask=rows < len_q, other=0.0)
+    delta = tl.load(delta_ptr + (q_start + rows) * heads_q + head, mask=rows < len_q, other=0.0)
+    return q, q_scale, do, do_scale, lse, delta
+
+
+@triton.jit
+def load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len_k, kv_head, heads_kv, head_bytes,
+                  D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr):
+    """K and V rows with their head_dim-axis scales, for one KV head."""
+    k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
+    k_scale = feature_scales(k_scales + kv_head * head_bytes, k_padded, cols, D, FEATURE_COL_TILES)
+    v = load_tokens(v_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
+    v_scale = feature_scales(v_scales + kv_head * head_bytes, k_padded, cols, D, FEATURE_COL_TILES)
+    return k, k_scale, v, v_scale
+
+
+@triton.jit
+def dkdv_kernel(
+    q_ptr, q_scales, q_seq_ptr, q_seq_scales, do_ptr, do_scales, do_seq_ptr, do_seq_scales,
+    k_ptr, k_scales, v_ptr, v_scales, lse_ptr, delta_ptr, dk_ptr, dv_ptr, offsets_q, offsets_k,
+    q_feature_head_bytes, q_sequence_head_bytes, k_feature_head_bytes, q_col_tiles, softmax_scale, heads_q, heads_kv,
+    D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One (key tile, sequence, KV head): dK, dV ``[BLOCK_N, D]`` summed over the head's query-head group.
+
+    Tiles are key-major (S^T = K Q^T), so every product has the 128 key rows as its M dimension;
+    with four fp32 accumulators (S^T, dP^T, dK, dV) in Blackwell's 512 tensor-memory columns, the
+    query tile is BLOCK_M = 64 wide.
+
+    dV = P^T dO (P on the static 2^8 scale, dO on the sequence axis); dK = dS^T Q (Q on the sequence
+    axis); S and dP from head_dim-axis Q, K, V, dO (DESIGN.md section 3).
+    """
+    tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start, len_q, k_start, len_k = sequence_spans(offsets_q, offsets_k, seq)
+    if tile * BLOCK_N >= len_k:
+        return
+    q_padded = padded_seq_start(q_start, seq)
+    k_padded = padded_seq_start(k_start, seq)
+
+    first_key = tile * BLOCK_N
+    cols = first_key + tl.arange(0, BLOCK_N)
+    k, k_scale, v, v_scale = load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len_k, kv_head,
+                                           heads_kv, k_feature_head_bytes, D, FEATURE_COL_TILES)
+
+    first_query = 0
+    if CAUSAL:  # the first query that sees key `first_key`, rounded down to a tile
+        first_query = tl.maximum(first_key - (len_k - len_q), 0) // BLOCK_M * BLOCK_M
+    p_scale = tl.full([BLOCK_N, BLOCK_M // MX_BLOCK], P_SCALE_BYTE, tl.uint8)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    for head in range(kv_head * (heads_q // heads_kv), (kv_head + 1) * (heads_q // heads_kv)):
+        for first_row in range(first_query, len_q, BLOCK_M):
+            rows = first_row + tl.arange(0, BLOCK_M)
+            q, q_scale, do, do_scale, lse, delta = load_query_rows(
+                q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_start, q_padded, rows, len_q, head, heads_q,
+                q_feature_head_bytes, D, FEATURE_COL_TILES)
+            p_t, ds8_t, ds_t_bytes = score_gradients(
+                k, k_scale, q, q_scale, v, v_scale, do, do_scale, lse[None, :], delta[None, :],
+                visible(rows[None, :], cols[:, None], len_q, len_k, CAUSAL), softmax_scale * LOG2E,
+                BLOCK_N, BLOCK_M, INTERPRET)
+
+            do_seq = load_tokens(do_seq_ptr, q_start, rows, len_q, head, heads_q, D)
+            do_seq_scale = sequence_scales(do_seq_scales + head * q_sequence_head_bytes, q_padded, first_row,
+                                           q_col_tiles, D, BLOCK_M)
+            p8_t = fp8.to_e4m3(p_t * P_STATIC_SCALE, INTERPRET)
+            dv = tl.dot_scaled(p8_t, p_scale, "e4m3", do_seq, do_seq_scale, "e4m3", dv)
+
+            q_seq = load_tokens(q_seq_ptr, q_start, rows, len_q, head, heads_q, D)
+            q_seq_scale = sequence_scales(q_seq_scales + head * q_sequence_head_bytes, q_padded, first_row,
+                                          q_col_tiles, D, BLOCK_M)
+            ds_t_scale = per_row(ds_t_bytes, BLOCK_N, BLOCK_M // MX_BLOCK)
+            dk = tl.dot_scaled(ds8_t, ds_t_scale, "e4m3", q_seq, q_seq_scale, "e4m3", dk)
+
+    kv_rows = ((k_start + cols[:, None]) * heads_kv + kv_head) * D + tl.arange(0, D)[None, :]
+    tl.store(dk_ptr + kv_rows, (dk * softmax_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None] < len_k)
+    tl.store(dv_ptr + kv_rows, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None] < len_k)
+
+
+@triton.jit
+def dq_kernel(
+    q_ptr, q_scales, do_ptr, do_scales, k_ptr, k_scales, v_ptr, v_scales, k_seq_ptr, k_seq_scales,
+    lse_ptr, delta_ptr, dq_ptr, offsets_q, offsets_k,
+    q_feature_head_bytes, k_feature_head_bytes, k_sequence_head_bytes, k_col_tiles, softmax_scale, heads_q, heads_kv,
+    D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One (query tile, sequence, query head): dQ = dS K ``[BLOCK_M, D]`` (K on the sequence axis).
+
+    It recomputes the same dS tiles as :func:`dkdv_kernel` (no atomics: deterministic).
+    """
+    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start, len_q, k_start, len_k = sequence_spans(offsets_q, offsets_k, seq)
+    if tile * BLOCK_M >= len_q:
+        return
+    kv_head = head // (heads_q // heads_kv)
+    q_padded = padded_seq_start(q_start, seq)
+    k_padded = padded_seq_start(k_start, seq)
+    k_seq_scales += kv_head * k_sequence_head_bytes
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q, q_scale, do, do_scale, lse, delta = load_query_rows(
+        q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_start, q_padded, rows, len_q, head, heads_q,
+        q_feature_head_bytes, D, FEATURE_COL_TILES)
+
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    for first_key in range(0, visible_keys_end(tile, len_q, len_k, CAUSAL, BLOCK_M), BLOCK_N):
+        cols = first_key + tl.arange(0, BLOCK_N)
+        k, k_scale, v, v_scale = load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len_k,
+                                               kv_head, heads_kv, k_feature_head_bytes, D, FEATURE_COL_TILES)
+        _, ds8, ds_bytes = score_gradients(
+            q, q_scale, k, k_scale, do, do_scale, v, v_scale, lse[:, None], delta[:, None],
+            visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), softmax_scale * LOG2E,
+            BLOCK_M, BLOCK_N, INTERPRET)
+        k_seq = load_tokens(k_seq_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
+        k_seq_scale = sequence_scales(k_seq_scales, k_padded, first_key, k_col_tiles, D, BLOCK_N)
+        ds_scale = per_row(ds_bytes, BLOCK_M, BLOCK_N // MX_BLOCK)
+        dq = tl.dot_scaled(ds8, ds_scale, "e4m3", k_seq, k_seq_scale, "e4m3", dq)
+
+    tl.store(dq_ptr + ((q_start + rows[:, None]) * heads_q + head) * D + tl.arange(0, D)[None, :],
+             (dq * softmax_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < len_q)
+
+
+def _check_heads(heads_q: int, heads_kv: int, head_dim: int) -> None:
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the exact backend supports head_dim in {HEAD_DIMS}, got {head_dim}")
+
+
+def _check_axis(mx: MXFP8Jagged, axis: str, name: str) -> None:
+    if not isinstance(mx, MXFP8Jagged):
+        raise TypeError(f"{name} must be an MXFP8Jagged, got {type(mx).__name__}")
+    if mx.axis != axis or mx.data.dim() != 3:
+        raise ValueError(f"{name} must be [total, heads, D] quantized along {axis!r}, got axis {mx.axis!r}, "
+                         f"shape {tuple(mx.data.shape)}")
+
+
+def _scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
+    """The tiled scale buffer as uint8 ``[heads, bytes]`` (what the kernels index)."""
+    return mx.scales.view(torch.uint8)
+
+
+def _feature_col_tiles(head_dim: int) -> int:
+    return num_tiles(head_dim // mx_format.BLOCK_SIZE, TILE_COLS)
+
+
+def _sequence_col_tiles(mx: MXFP8Jagged) -> int:
+    return num_tiles(scale_matrix_shape("sequence", mx.total, mx.batch_size, mx.head_dim)[1], TILE_COLS)
+
+
+def _max_length(offsets: torch.Tensor) -> int:
+    return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
+
+
+def _launch_options() -> dict:
+    return dict(num_warps=8, num_stages=1 if fp8.INTERPRETED else 2)
+
+
+def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float,
+                      out_dtype=torch.bfloat16):
+    """Jagged MXFP8 attention forward with ``tl.dot_scaled``.
+
+    q, k: quantized along ``"feature"``; v: along ``"sequence"`` (``quantize_mxfp8``); offsets in
+    ``q.offsets`` / ``k.offsets`` (same batch). Returns out ``[total_q, Hq, D]`` in ``out_dtype`` and
+    lse float32 ``[total_q, Hq]`` (natural log; -inf and out = 0 for rows that see no key).
+    Causal is bottom-right aligned; GQA when ``Hq % Hkv == 0``.
+    """
+    _check_axis(q, "feature", "q")
+    _check_axis(k, "feature", "k")
+    _check_axis(v, "sequence", "v")
+    total_q, heads_q, head_dim = q.data.shape
+    heads_kv = k.num_heads
+    _check_heads(heads_q, heads_kv, head_dim)
+    if k.data.shape != v.data.shape or k.head_dim != head_dim:
+        raise ValueError(f"k {tuple(k.data.shape)} and v {tuple(v.data.shape)} must match, with D = {head_dim}")
+    if q.batch_size != k.batch_size:
+        raise ValueError(f"q and k must have the same batch size, got {q.batch_size} and {k.batch_size}")
+
+    out = torch.empty(total_q, heads_q, head_dim, dtype=out_dtype, device=q.device)
+    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(_max_length(q.offsets), BLOCK_M), q.batch_size, heads_q)
+    if 0 in grid:
+        return out, lse
+    q_scales, k_scales, v_scales = _scale_bytes(q), _scale_bytes(k), _scale_bytes(v)
+    forward_kernel[grid](
+        q.data, q_scales, k.data, k_scales, v.data, v_scales, out, lse, q.offsets, k.offsets,
+        q_scales.stride(0), k_scales.stride(0), v_scales.stride(0), _sequence_col_tiles(v),
+        softmax_scale * (1.0 / math.log(2.0)), heads_q, heads_kv, D=head_dim, FEATURE_COL_TILES=_feature_col_tiles(head_dim),
+        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, INTERPRET=fp8.INTERPRETED, **_launch_options(),
+    )
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float):
+    """dQ, dK, dV of jagged MXFP8 attention with ``tl.dot_scaled`` (the reference backend's dataflow).
+
+    dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]`` high precision (as autograd saved
+    them); lse float32 ``[total_q, Hq]`` from the forward. Operands are quantized here with
+    ``quantize_mxfp8`` exactly as ``reference_backward`` does. Gradients come out in the inputs'
+    dtypes; dK and dV are summed over each KV head's query-head group.
+    """
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    _check_heads(heads_q, heads_kv, head_dim)
+    q_feature = quantize_mxfp8(q, offsets_q, axis="feature")
+    q_sequence = quantize_mxfp8(q, offsets_q, axis="sequence")
+    do_feature = quantize_mxfp8(dout, offsets_q, axis="feature")
+    do_sequence = quantize_mxfp8(dout, offsets_q, axis="sequence")
+    k_feature = quantize_mxfp8(k, offsets_k, axis="feature")
+    k_sequence = quantize_mxfp8(k, offsets_k, axis="sequence")
+    v_feature = quantize_mxfp8(v, offsets_k, axis="feature")
+    delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    batch = offsets_q.numel() - 1
+    scales = {name: _scale_bytes(mx) for name, mx in [("q", q_feature), ("q_seq", q_sequence), ("do", do_feature),
+                                                       ("do_seq", do_sequence), ("k", k_feature),
+                                                       ("k_seq", k_sequence), ("v", v_feature)]}
+    lse = lse.contiguous()
+    meta = dict(D=head_dim, FEATURE_COL_TILES=_feature_col_tiles(head_dim), CAUSAL=causal, BLOCK_N=BLOCK_N,
+                INTERPRET=fp8.INTERPRETED, **_launch_options())
+    dkdv_grid = (triton.cdiv(_max_length(offsets_k), BLOCK_N), batch, heads_kv)
+    if 0 not in dkdv_grid:
+        dkdv_kernel[dkdv_grid](
+            q_feature.data, scales["q"], q_sequence.data, scales["q_seq"], do_feature.data, scales["do"],
+            do_sequence.data, scales["do_seq"], k_feature.data, scales["k"], v_feature.data, scales["v"],
+            lse, delta, dk, dv, offsets_q, offsets_k, scales["q"].stride(0), scales["q_seq"].stride(0),
+            scales["k"].stride(0), _sequence_col_tiles(q_sequence), softmax_scale, heads_q, heads_kv,
+            BLOCK_M=DKDV_BLOCK_M, **meta,
+        )
+    dq_grid = (triton.cdiv(_max_length(offsets_q), BLOCK_M), batch, heads_q)
+    if 0 not in dq_grid:
+        dq_kernel[dq_grid](
+            q_feature.data, scales["q"], do_feature.data, scales["do"], k_feature.data, scales["k"],
+            v_feature.data, scales["v"], k_sequence.data, scales["k_seq"], lse, delta, dq, offsets_q, offsets_k,
+            scales["q"].stride(0), scales["k"].stride(0), scales["k_seq"].stride(0), _sequence_col_tiles(k_sequence),
+            softmax_scale, heads_q, heads_kv, BLOCK_M=BLOCK_M, **meta,
+        )
+    return dq, dk, dv
