@@ -41,7 +41,7 @@ FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_o
 
 def tile_config(head_dim: int) -> dict:
     """Block sizes, warps and pipeline depth for a head_dim (measured on an H200, docs/PERF.md)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2 if head_dim > 64 else 3)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -52,12 +52,16 @@ def _attend_tiles(
     """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i]."""
     k_block = tl.advance(k_block, (col_begin, 0))
     vt_block = tl.advance(vt_block, (0, col_begin))
+    # The K tile's factor is loaded one iteration ahead: a load used at once would stall each tile.
+    next_k_factor = tl.load(k_tile_factor + col_begin // BLOCK_N, mask=col_begin < col_end, other=0.0)
     for col0 in range(col_begin, col_end, BLOCK_N):
+        k_factor = next_k_factor
+        next_k_factor = tl.load(k_tile_factor + col0 // BLOCK_N + 1, mask=col0 + BLOCK_N < col_end, other=0.0)
         if MASKED:
             k = tl.load(k_block, boundary_check=(0,), padding_option="zero")
         else:
             k = tl.load(k_block)
-        s = tl.dot(q, tl.trans(k)) * (row_scale * tl.load(k_tile_factor + col0 // BLOCK_N))[:, None]
+        s = tl.dot(q, tl.trans(k)) * (row_scale * k_factor)[:, None]
         if MASKED:
             cols = col0 + tl.arange(0, BLOCK_N)
             s = tl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
@@ -65,14 +69,15 @@ def _attend_tiles(
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(s - (new_max - P_STATIC_EXP)[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
         if INTERPRET:
             p = fp8.snap_to_e4m3_grid(p)
         if MASKED:
             vt = tl.load(vt_block, boundary_check=(1,), padding_option="zero")
         else:
             vt = tl.load(vt_block)
-        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc)
+        # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
+        # alignment, which biases small late tiles towards zero when added to a large running O.
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
         row_max = new_max
         k_block = tl.advance(k_block, (BLOCK_N, 0))
         vt_block = tl.advance(vt_block, (0, BLOCK_N))
@@ -155,10 +160,12 @@ def _attention_forward_kernel(
 
 
 def _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
-                     out_dtype):
+                     out_dtype, config=None):
+    """The kernel on rebased operands; ``config`` (default ``tile_config``) must have the BLOCK_N that
+    K was rebased with."""
     total_q, heads_q, dim = q8.shape
-    total_k, heads_kv, _ = k8.shape
-    config = tile_config(dim)
+    heads_kv = k8.shape[1]
+    config = tile_config(dim) if config is None else config
     out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q8.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q8.device)
     work = work_list(offsets_q, offsets_k, total_q, config["BLOCK_M"], causal=causal)

@@ -102,10 +102,7 @@ def _rebase_feature_kernel(
     start, length = sequence_span(offsets, seq)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     in_seq = rows < length
-    channels = tl.arange(0, D)
-    element = (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
-    x = tl.load(src + element, mask=in_seq[:, None], other=0.0).to(tl.float32)
-    x = tl.reshape(x, (BLOCK_T, D // 32, 32))
+    x = tl.reshape(_load_rows(src, head, start, rows, length, HEADS, D), (BLOCK_T, D // 32, 32))
     padded_rows = layout.padded_seq_start(start, seq) + rows
     if FROM_HIGH_PRECISION:
         byte = scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
@@ -117,31 +114,34 @@ def _rebase_feature_kernel(
     group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
     rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
+    element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
     tl.store(dst + element, tl.reshape(rebased, (BLOCK_T, D)), mask=in_seq[:, None])
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
     tl.store(factor + head * n_groups + groups, exp2_int(group_byte - 127))
 
 
 @triton.jit
-def _sequence_block_bytes(
-    src, scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr,
-):
-    """int32 ``[BLOCK_T / 32, D]`` bytes of the sequence-axis blocks of rows ``first_row + [0, BLOCK_T)``,
-    and (only when FROM_HIGH_PRECISION, else None) the fp32 values ``[BLOCK_T / 32, 32, D]``."""
-    rows = first_row + tl.arange(0, BLOCK_T)
-    channels = tl.arange(0, D)
-    if FROM_HIGH_PRECISION:
-        element = (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
-        x = tl.load(src + element, mask=(rows < length)[:, None], other=0.0).to(tl.float32)
-        x = tl.reshape(x, (BLOCK_T // 32, 32, D))
-        return scale_byte_of_amax(tl.max(tl.abs(x), axis=1), FLOOR), x
+def _load_rows(src, head, start, rows, length, HEADS: tl.constexpr, D: tl.constexpr):
+    """fp32 ``[len(rows), D]`` of one head at sequence rows ``rows`` (0 past ``length``)."""
+    element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
+    return tl.load(src + element, mask=(rows < length)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sequence_bytes_of_values(x, BLOCK_T: tl.constexpr, D: tl.constexpr, FLOOR: tl.constexpr):
+    """int32 ``[BLOCK_T / 32, D]`` bytes of the 32-token blocks of fp32 rows ``x [BLOCK_T, D]``."""
+    return scale_byte_of_amax(tl.max(tl.abs(tl.reshape(x, (BLOCK_T // 32, 32, D))), axis=1), FLOOR)
+
+
+@triton.jit
+def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
+                                BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """int32 ``[BLOCK_T / 32, D]`` stored bytes of the blocks of rows ``first_row + [0, BLOCK_T)``."""
     blocks = tl.arange(0, BLOCK_T // 32)
     column = (layout.padded_seq_start(start, seq) + first_row) // 32 + blocks
-    where = layout.scale_byte_offset(channels[None, :], column[:, None], n_col_tiles)
+    where = layout.scale_byte_offset(tl.arange(0, D)[None, :], column[:, None], n_col_tiles)
     in_seq = (first_row + blocks * 32 < length)[:, None]
-    return tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32), None
+    return tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -156,10 +156,12 @@ def _sequence_exponent_kernel(
     start, length = sequence_span(offsets, seq)
     largest = tl.zeros((D,), dtype=tl.int32)
     for first_row in range(0, length, BLOCK_T):
-        byte, _ = _sequence_block_bytes(
-            src, scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
-            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR,
-        )
+        if FROM_HIGH_PRECISION:
+            rows = first_row + tl.arange(0, BLOCK_T)
+            byte = _sequence_bytes_of_values(_load_rows(src, head, start, rows, length, HEADS, D), BLOCK_T, D, FLOOR)
+        else:
+            byte = _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, scale_bytes_per_head,
+                                               n_col_tiles, BLOCK_T, D)
         largest = tl.maximum(largest, tl.max(byte, axis=0))
     channels = tl.arange(0, D)
     tl.store(exponent + (head.to(tl.int64) * batch + seq) * D + channels, largest.to(tl.uint8))
@@ -178,24 +180,20 @@ def _rebase_sequence_kernel(
         return
     tile = tl.load(work + 2 * slot + 1)
     start, length = sequence_span(offsets, seq)
-    first_row = tile * BLOCK_T
-    byte, x = _sequence_block_bytes(
-        src, scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
-        HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR,
-    )
-    rows = first_row + tl.arange(0, BLOCK_T)
-    channels = tl.arange(0, D)
-    in_seq = (rows < length)[:, None]
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    x = _load_rows(src, head, start, rows, length, HEADS, D)
     if FROM_HIGH_PRECISION:
-        x = quantize_on_bytes(x, byte[:, None, :], INTERPRET)
+        byte = _sequence_bytes_of_values(x, BLOCK_T, D, FLOOR)
+        x = quantize_on_bytes(tl.reshape(x, (BLOCK_T // 32, 32, D)), byte[:, None, :], INTERPRET)
     else:
-        element = (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
-        x = tl.load(src + element, mask=in_seq, other=0.0).to(tl.float32)
+        byte = _sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, scale_bytes_per_head,
+                                           n_col_tiles, BLOCK_T, D)
         x = tl.reshape(x, (BLOCK_T // 32, 32, D))
+    channels = tl.arange(0, D)
     channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
     rebased = fp8.to_e4m3(x * exp2_int(byte - channel_byte[None, :])[:, None, :], INTERPRET)
     transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + (start + rows)[:, None]
-    tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)), mask=in_seq)
+    tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)), mask=(rows < length)[:, None])
 
 
 def _scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):

@@ -1,0 +1,336 @@
+"""Benchmark: our varlen MXFP8 attention against BF16 peers on one GPU, in one run.
+
+Peers: torch ``varlen_attn`` (FlashAttention-2), cuDNN SDPA (dense workloads only) and
+FlexAttention with a document mask (compiled). Workloads are those of DESIGN.md section 8.
+TFLOP/s count ``4 * sum_b visible(q, k pairs) * D * H`` (backward: 2.5x that). Every timing is
+the median of ``triton.testing.do_bench`` on random (never zero) inputs.
+
+    python3 scripts/bench.py --out OUT_DIR [--head-dims 128 64] [--backward] [--no-flex] [--sweep]
+
+Prints a table, writes ``bench.json`` and ``bench.png`` (when matplotlib is there; otherwise
+``--plot bench.json`` draws it later on any machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import inspect
+import json
+import math
+import os
+import subprocess
+
+import torch
+
+WARMUP_MS, REPEAT_MS = 25, 150
+LLM_SEED, ADS_SEED = 1234, 4321
+BACKWARD_FLOP_FACTOR = 2.5
+
+
+def llm_lengths():
+    """48 lengths, lognormal (log-mean ln 1500, sigma 0.8), clamped to [64, 8192], fixed seed."""
+    g = torch.Generator().manual_seed(LLM_SEED)
+    lengths = torch.exp(math.log(1500) + 0.8 * torch.randn(48, generator=g)).round().clamp(64, 8192)
+    return lengths.long(), lengths.long()
+
+
+def ads_lengths():
+    """256 sequences, L_q uniform in [32, 512], L_k uniform in [256, 4096], fixed seed."""
+    g = torch.Generator().manual_seed(ADS_SEED)
+    return torch.randint(32, 513, (256,), generator=g), torch.randint(256, 4097, (256,), generator=g)
+
+
+def dense_lengths():
+    return torch.full((8,), 8192), torch.full((8,), 8192)
+
+
+WORKLOADS = [
+    # (name, lengths, heads, causal, dense)
+    ("dense 8x8192 h16", dense_lengths, 16, False, True),
+    ("dense 8x8192 h16 causal", dense_lengths, 16, True, True),
+    ("llm 48 ragged h16", llm_lengths, 16, False, False),
+    ("llm 48 ragged h16 causal", llm_lengths, 16, True, False),
+    ("ads cross 256 h8", ads_lengths, 8, False, False),
+]
+
+
+def visible_pairs(len_q, len_k, causal):
+    if not causal:
+        return int((len_q * len_k).sum())
+    # query i sees keys j <= i + Lk - Lq (bottom-right aligned)
+    return sum(sum(max(0, min(lk, i + 1 + lk - lq)) for i in range(lq)) for lq, lk in
+               zip(len_q.tolist(), len_k.tolist()))
+
+
+def median_ms(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
+
+
+def offsets_of(lengths, device):
+    from jagged_attn.offsets import offsets_from_lengths
+    return offsets_from_lengths(lengths).to(device=device, dtype=torch.int32)
+
+
+class Workload:
+    """Random bf16 jagged q, k, v (and dO) on the GPU for one workload and head_dim."""
+
+    def __init__(self, name, lengths, heads, causal, dense, dim, device="cuda"):
+        self.name, self.heads, self.causal, self.dense, self.dim = name, heads, causal, dense, dim
+        self.len_q, self.len_k = lengths()
+        self.offsets_q, self.offsets_k = offsets_of(self.len_q, device), offsets_of(self.len_k, device)
+        total_q, total_k = int(self.len_q.sum()), int(self.len_k.sum())
+        self.q = torch.randn(total_q, heads, dim, device=device, dtype=torch.bfloat16)
+        self.k = torch.randn(total_k, heads, dim, device=device, dtype=torch.bfloat16)
+        self.v = torch.randn(total_k, heads, dim, device=device, dtype=torch.bfloat16)
+        self.dout = torch.randn_like(self.q)
+        self.scale = dim ** -0.5
+        self.flops = 4.0 * visible_pairs(self.len_q, self.len_k, causal) * dim * heads
+
+    def tflops(self, ms, backward=False):
+        return self.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0) / (ms * 1e-3) / 1e12
+
+
+def backward_ms(forward, inputs, dout):
+    """Median ms of the backward alone of ``forward(*inputs)`` through autograd."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = forward(*leaves)
+    return median_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+def ours(w: Workload, backward: bool, sweep_configs=()):
+    from jagged_attn import quantize_mxfp8
+    from jagged_attn.kernels import hopper_fwd, rebase
+
+    mq = quantize_mxfp8(w.q, w.offsets_q)
+    mk = quantize_mxfp8(w.k, w.offsets_k)
+    mv = quantize_mxfp8(w.v, w.offsets_k, axis="sequence")
+    forward = dict(causal=w.causal, softmax_scale=w.scale)
+    results = {"ours mxfp8": median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, **forward))}
+    block_n = hopper_fwd.tile_config(w.dim)["BLOCK_N"]
+    for label, config in [("ours kernel", hopper_fwd.tile_config(w.dim))] + [
+            (f"cfg {c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s", c) for c in sweep_configs]:
+        rebased = (*rebase.rebase_feature(mq), *rebase.rebase_feature(mk, group=config["BLOCK_N"]),
+                   *rebase.rebase_sequence(mv))
+        results[label] = median_ms(lambda: hopper_fwd._forward_rebased(
+            *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward))
+    results["rebase ms: q"] = median_ms(lambda: rebase.rebase_feature(mq))
+    results["rebase ms: k"] = median_ms(lambda: rebase.rebase_feature(mk, group=block_n))
+    results["rebase ms: v"] = median_ms(lambda: rebase.rebase_sequence(mv))
+    results["ours bf16 in"] = median_ms(lambda: hopper_fwd.attention_forward_hp(
+        w.q, w.k, w.v, w.offsets_q, w.offsets_k, **forward))
+    if backward:
+        results.update(ours_backward(w, mq, mk, mv))
+    return results
+
+
+def ours_backward(w: Workload, mq, mk, mv):
+    try:
+        hopper_bwd = importlib.import_module("jagged_attn.kernels.hopper_bwd")
+    except ImportError as error:
+        print(f"no backward of ours: {error}")
+        return {}
+    from jagged_attn.kernels import hopper_fwd
+    out, lse = hopper_fwd.attention_forward_hp(w.q, w.k, w.v, w.offsets_q, w.offsets_k, causal=w.causal,
+                                               softmax_scale=w.scale)
+    ms = median_ms(lambda: hopper_bwd.attention_backward(
+        w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale))
+    return {"ours bwd": ms}
+
+
+# ---- peers ------------------------------------------------------------------------------------
+
+def varlen_fa2(w: Workload, backward: bool):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {}
+    if w.causal:
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    max_q, max_k = int(w.len_q.max()), int(w.len_k.max())
+
+    def forward(q, k, v):
+        return varlen_attn(q, k, v, w.offsets_q, w.offsets_k, max_q, max_k, scale=w.scale, **causal)
+
+    results = {"varlen_attn": median_ms(lambda: forward(w.q, w.k, w.v))}
+    if backward:
+        results["varlen_attn bwd"] = backward_ms(forward, (w.q, w.k, w.v), w.dout)
+    return results
+
+
+def cudnn_sdpa(w: Workload, backward: bool):
+    if not w.dense:
+        return {}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    batch, length = w.len_q.numel(), int(w.len_q[0])
+
+    def dense(x):
+        return x.view(batch, length, w.heads, w.dim).transpose(1, 2)
+
+    def forward(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(dense(q), dense(k), dense(v), is_causal=w.causal, scale=w.scale)
+
+    results = {"cudnn sdpa": median_ms(lambda: forward(w.q, w.k, w.v))}
+    if backward:
+        results["cudnn sdpa bwd"] = backward_ms(forward, (w.q, w.k, w.v), dense(w.dout))
+    return results
+
+
+def flex_doc_mask(w: Workload, backward: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    device = w.q.device
+    doc_q = torch.repeat_interleave(torch.arange(w.len_q.numel(), device=device), w.len_q.to(device))
+    doc_k = torch.repeat_interleave(torch.arange(w.len_k.numel(), device=device), w.len_k.to(device))
+    pos_q = torch.arange(doc_q.numel(), device=device) - w.offsets_q.long()[doc_q]
+    pos_k = torch.arange(doc_k.numel(), device=device) - w.offsets_k.long()[doc_k]
+    diagonal = (w.len_k - w.len_q).to(device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc_q[q_idx] == doc_k[kv_idx]
+        if not w.causal:
+            return same
+        return same & (pos_k[kv_idx] <= pos_q[q_idx] + diagonal[doc_q[q_idx]])
+
+    block_mask = create_block_mask(mask_mod, 1, 1, doc_q.numel(), doc_k.numel(), device=device, _compile=True)
+    compiled = torch.compile(flex_attention)
+
+    def forward(q, k, v):
+        return compiled(q, k, v, block_mask=block_mask, scale=w.scale)
+
+    packed = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (w.q, w.k, w.v, w.dout)]
+    results = {"flex": median_ms(lambda: forward(*packed[:3]))}
+    if backward:
+        results["flex bwd"] = backward_ms(forward, packed[:3], packed[3])
+    return results
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+
+def ceilings():
+    """The copy bandwidth (TB/s, read + write) and 8192^3 GEMM rates (TFLOP/s) of this GPU now."""
+    n = 8192
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = median_ms(lambda: a @ b)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8_ms = median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+    flops = 2.0 * n ** 3
+    return {"copy TB/s": 2 * src.numel() * 4 / copy_ms / 1e9, "cublas bf16 TFLOP/s": flops / bf16_ms / 1e9,
+            "cublas fp8 TFLOP/s": flops / fp8_ms / 1e9}
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "varlen_attn", "cudnn sdpa", "flex"]
+BACKWARD_COLUMNS = ["ours bwd", "varlen_attn bwd", "cudnn sdpa bwd", "flex bwd"]
+BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
+SWEEP = [dict(BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=s) for n, s in ((128, 2), (128, 4), (64, 3))]
+
+
+def table(rows, columns, ours_column, peer_columns):
+    head = f"{'workload':<28}{'D':>4}" + "".join(f"{c:>14}" for c in columns) + f"{'ours/best':>11}"
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        tf = row["tflops"]
+        peers = [tf[c] for c in peer_columns if c in tf]
+        ratio = f"{tf[ours_column] / max(peers):>10.2f}x" if peers and ours_column in tf else f"{'':>11}"
+        cells = "".join(f"{tf[c]:>14.0f}" if c in tf else f"{'-':>14}" for c in columns)
+        lines.append(f"{row['workload']:<28}{row['head_dim']:>4}{cells}{ratio}")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: run `scripts/bench.py --plot bench.json` elsewhere for the chart")
+        return
+    labels = [f"{r['workload']}\nd{r['head_dim']}" for r in rows]
+    columns = [c for c in FORWARD_COLUMNS if any(c in r["tflops"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(rows)), 5))
+    width = 0.8 / len(columns)
+    for i, column in enumerate(columns):
+        values = [r["tflops"].get(column, 0.0) for r in rows]
+        ax.bar([x + i * width for x in range(len(rows))], values, width, label=column)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("forward TFLOP/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def git_version():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
+    parser.add_argument("--flex-head-dims", type=int, nargs="*", default=[128])
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs on the first workload")
+    parser.add_argument("--plot", help="only draw the chart of an earlier bench.json")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f)["rows"], os.path.splitext(args.plot)[0] + ".png")
+        return
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for dim in args.head_dims:
+        for name, lengths, heads, causal, dense in WORKLOADS:
+            w = Workload(name, lengths, heads, causal, dense, dim)
+            measured = {}
+            sweep = SWEEP if args.sweep and name == WORKLOADS[0][0] else ()
+            runners = [lambda w, backward: ours(w, backward, sweep), varlen_fa2, cudnn_sdpa]
+            if not args.no_flex and dim in args.flex_head_dims:
+                runners.append(flex_doc_mask)
+            for runner in runners:
+                try:
+                    measured.update(runner(w, args.backward))
+                except Exception as error:  # a peer missing on this torch must not stop the run
+                    print(f"{name} d{dim} {getattr(runner, '__name__', 'ours')} failed: {type(error).__name__}: {error}")
+            tflops = {k: w.tflops(ms, backward=k.endswith("bwd")) for k, ms in measured.items() if " ms" not in k}
+            rows.append(dict(workload=name, head_dim=dim, heads=heads, causal=causal, flops=w.flops, ms=measured,
+                             tflops=tflops))
+            print(f"{name} d{dim}: " + ", ".join(f"{k} {v:.0f}" for k, v in tflops.items()) + "; " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in measured.items() if " ms" in k), flush=True)
+            del w
+            torch.cuda.empty_cache()
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  version=git_version(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  ceilings=ceilings(), rows=rows)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, os.path.join(args.out, "bench.png"))
+    print(f"\n{result['gpu']}, torch {result['torch']}, {result['date']}, version {result['version']}")
+    print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in result["ceilings"].items()))
+    print("forward TFLOP/s")
+    print(table(rows, FORWARD_COLUMNS, "ours mxfp8", BF16_PEERS))
+    if args.backward:
+        print("backward TFLOP/s")
+        print(table(rows, BACKWARD_COLUMNS, "ours bwd", [c + " bwd" for c in BF16_PEERS]))
+
+
+if __name__ == "__main__":
+    main()
