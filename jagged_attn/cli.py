@@ -46,7 +46,10 @@ def main(argv=None) -> int:
         elif args.command == "preprocess":
             from .preprocess import preprocess_file
 
-            preprocess_file(args.input, args.output, axis=args.axis, rounding=args.rounding, heads=args.heads)
+            stats = preprocess_file(args.input, args.output, axis=args.axis, rounding=args.rounding, heads=args.heads)
+            print(f"wrote {stats['output']}: {stats['sequences']} sequences, {stats['tokens']} tokens, "
+                  f"{stats['output_bytes'] / 2**20:.1f} MiB ({stats['input_bytes'] / 2**20:.1f} MiB in), "
+                  f"{stats['tokens_per_s']:.0f} tokens/s, {stats['checksum']}")
         else:
             from .preprocess import inspect_file
 

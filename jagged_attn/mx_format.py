@@ -56,26 +56,34 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
+def scale_factors(byte: torch.Tensor) -> torch.Tensor:
+    """float32 ``2^(127 - byte)``: multiplying a block by it maps the block onto the e4m3 range.
+
+    Exact: bytes 0..254 give 2^127 .. 2^-127 (the last a float32 subnormal), and a power-of-two
+    product is exact unless it underflows below 2^-126, far under e4m3's smallest step (2^-9).
+    """
+    return pow2(E8M0_BIAS - byte).to(torch.float32)
+
+
+def descale_factors(byte: torch.Tensor) -> torch.Tensor:
+    """float32 ``2^(byte - 127)``, the value of an E8M0 scale byte (exact)."""
+    return pow2(byte.to(torch.int64) - E8M0_BIAS).to(torch.float32)
+
+
 def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Saturating round-to-nearest-even cast to float8_e4m3fn (clamp first: older torch wraps)."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_with_bytes(x: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
-    """Elements ``x`` divided by ``2^(byte - 127)`` (broadcast) and cast to e4m3."""
-    scaled = (x.to(torch.float64) * pow2(E8M0_BIAS - byte)).to(torch.float32)
-    return cast_e4m3(scaled)
-
-
-def dequantize_with_bytes(data: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
-    """float32 ``data * 2^(byte - 127)`` (broadcast)."""
-    return (data.to(torch.float64) * pow2(byte.to(torch.int64) - E8M0_BIAS)).to(torch.float32)
+def quantize_with_factors(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """e4m3 ``x * factors`` (``factors`` from :func:`scale_factors`, broadcast against ``x``)."""
+    return (x.to(torch.float32) * factors).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def quantize_blocks(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``[..., n_blocks, 32]`` blocks; returns (e4m3 data, int32 bytes ``[..., n_blocks]``)."""
     byte = scale_bytes(x.abs().amax(-1), rounding)
-    return quantize_with_bytes(x, byte.unsqueeze(-1)), byte
+    return quantize_with_factors(x, scale_factors(byte).unsqueeze(-1)), byte
 
 
 def quantize_p(p: torch.Tensor) -> torch.Tensor:
@@ -94,5 +102,5 @@ def fake_quantize_square_tiles(x: torch.Tensor, rounding: str = "rceil") -> torc
     padded = torch.nn.functional.pad(x.to(torch.float32), (0, pn, 0, pm))
     tiles = padded.reshape(*lead, (m + pm) // BLOCK_SIZE, BLOCK_SIZE, (n + pn) // BLOCK_SIZE, BLOCK_SIZE)
     byte = scale_bytes(tiles.abs().amax(dim=(-3, -1), keepdim=True), rounding)
-    values = dequantize_with_bytes(quantize_with_bytes(tiles, byte), byte)
+    values = quantize_with_factors(tiles, scale_factors(byte)).to(torch.float32) * descale_factors(byte)
     return values.reshape(*padded.shape)[..., :m, :n]

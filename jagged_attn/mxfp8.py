@@ -21,14 +21,14 @@ import torch
 from . import mx_format
 from .mx_format import BLOCK_SIZE
 from .offsets import (
-    values_unavailable,
     padded_rows_of_tokens,
     padded_total,
     sequence_ids,
     single_sequence_offsets,
     validate_offsets,
+    values_unavailable,
 )
-from .scale_layout import from_tiles, tiled_bytes, to_tiles, TILE_ROWS
+from .scale_layout import TILE_ROWS, from_tiles, tiled_bytes, to_tiles
 
 AXES = ("feature", "sequence")
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -121,8 +121,8 @@ def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
         raise ValueError(f"{name}: data, scales and offsets must be on one device")
 
 
-def check_values(values, name: str = "values") -> None:
-    """Validate a high-precision jagged values tensor before quantizing it."""
+def check_values(values, name: str = "values", *, finite: bool = True) -> None:
+    """Validate a high-precision jagged values tensor (``finite``: also scan it for NaN/Inf)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
     if values.dtype not in HIGH_PRECISION_DTYPES:
@@ -131,7 +131,13 @@ def check_values(values, name: str = "values") -> None:
         raise ValueError(f"{name} must be [total, heads, D] or [total, D], got shape {tuple(values.shape)}")
     if values.shape[-1] == 0 or values.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"{name}: the last dimension (D = {values.shape[-1]}) must be a positive multiple of 32")
-    if not values_unavailable(values) and values.numel() and not bool(torch.isfinite(values).all()):
+    if finite and not values_unavailable(values) and values.numel():
+        check_finite(values, name)
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """Raise unless ``x`` is all finite (a tensor, or its block maxima: NaN and Inf propagate into them)."""
+    if not values_unavailable(x) and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf: MX block scales are undefined for non-finite values")
 
 
@@ -146,7 +152,7 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     along D (for Q and K in S = QK^T), ``axis="sequence"`` along each sequence's tokens (for V in
     O = PV). Raises ValueError/TypeError on bad input before any work.
     """
-    check_values(values, "values")
+    check_values(values, "values", finite=False)  # the block maxima are checked instead
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
     mx_format.check_rounding(rounding)
@@ -156,7 +162,7 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     validate_offsets(offsets, total, "offsets")
     if offsets.device != values.device:
         raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
-    x = _as_3d(values).to(torch.float32)
+    x = _as_3d(values)
     quantize = _quantize_feature if axis == "feature" else _quantize_sequence
     data, scales = quantize(x, offsets, rounding)
     return MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
@@ -164,7 +170,11 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
 
 def _quantize_feature(x, offsets, rounding):
     total, heads, dim = x.shape
-    data, byte = mx_format.quantize_blocks(x.reshape(total, heads, dim // BLOCK_SIZE, BLOCK_SIZE), rounding)
+    blocks = x.reshape(total, heads, dim // BLOCK_SIZE, BLOCK_SIZE)
+    amax = blocks.abs().amax(-1).to(torch.float32)
+    check_finite(amax, "values")
+    byte = mx_format.scale_bytes(amax, rounding)
+    data = mx_format.quantize_with_factors(blocks, mx_format.scale_factors(byte).unsqueeze(-1))
     rows, cols = scale_matrix_shape("feature", total, offsets.numel() - 1, dim)
     matrix = torch.zeros(heads, rows, cols, dtype=torch.uint8, device=x.device)
     token_rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
@@ -181,14 +191,13 @@ def _quantize_sequence(x, offsets, rounding):
     total, heads, dim = x.shape
     rows, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
     columns = sequence_block_columns(offsets, total)
-    magnitudes = x.abs().permute(1, 2, 0)  # [H, D, total]
-    amax = torch.zeros(heads, dim, cols, dtype=torch.float32, device=x.device)
-    amax.scatter_reduce_(2, columns.expand(heads, dim, total), magnitudes, "amax", include_self=True)
-    byte = mx_format.scale_bytes(amax, rounding)  # [H, D, cols]
-    token_byte = byte[:, :, columns].permute(2, 0, 1)  # [total, H, D]
-    data = mx_format.quantize_with_bytes(x, token_byte)
+    amax = torch.zeros(cols, heads, dim, dtype=torch.float32, device=x.device)
+    amax.scatter_reduce_(0, columns.view(-1, 1, 1).expand(x.shape), x.abs().to(torch.float32), "amax")
+    check_finite(amax, "values")
+    byte = mx_format.scale_bytes(amax, rounding)  # [cols, H, D]
+    data = mx_format.quantize_with_factors(x, mx_format.scale_factors(byte)[columns])
     matrix = torch.zeros(heads, rows + (-rows) % TILE_ROWS, cols, dtype=torch.uint8, device=x.device)
-    matrix[:, :dim, :] = byte.to(torch.uint8)
+    matrix[:, :dim, :] = byte.to(torch.uint8).permute(1, 2, 0)
     return data, to_tiles(matrix[:, :rows])
 
 
@@ -208,5 +217,5 @@ def dequantize_mxfp8(mx: MXFP8Jagged) -> torch.Tensor:
     """float32 values shaped like ``mx.data``: every element times its block's scale."""
     if not isinstance(mx, MXFP8Jagged):
         raise TypeError(f"mx must be an MXFP8Jagged, got {type(mx).__name__}")
-    data = _as_3d(mx.data)
-    return mx_format.dequantize_with_bytes(data, element_scale_bytes(mx)).reshape(mx.data.shape)
+    values = _as_3d(mx.data).to(torch.float32) * mx_format.descale_factors(element_scale_bytes(mx))
+    return values.reshape(mx.data.shape)

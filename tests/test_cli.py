@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from jagged_attn.cli import build_parser, main
 
 
@@ -28,3 +30,19 @@ def test_parser_knows_the_subcommands():
     parser = build_parser()
     assert parser.parse_args(["preprocess", "in.safetensors", "out.safetensors", "--axis", "both"]).axis == "both"
     assert parser.parse_args(["inspect", "f"]).file == "f"
+
+
+def test_preprocess_then_inspect_then_load(tmp_path):
+    import safetensors.torch
+
+    import jagged_attn as ja
+
+    values = torch.randn(300, 2, 64, dtype=torch.bfloat16)
+    safetensors.torch.save_file({"values": values, "lengths": torch.tensor([100, 0, 200])}, tmp_path / "in.st")
+    assert main(["preprocess", str(tmp_path / "in.st"), str(tmp_path / "out.st"), "--axis", "both"]) == 0
+    assert main(["inspect", str(tmp_path / "out.st")]) == 0
+    loaded = ja.load(tmp_path / "out.st")
+    expected = ja.quantize_mxfp8(values, torch.tensor([0, 100, 100, 300]), axis="sequence")
+    assert torch.equal(loaded["sequence"].data.view(torch.uint8), expected.data.view(torch.uint8))
+    (tmp_path / "bad.st").write_bytes((tmp_path / "out.st").read_bytes()[:-7])
+    assert main(["inspect", str(tmp_path / "bad.st")]) == 2
