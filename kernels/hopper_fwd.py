@@ -71,10 +71,7 @@ def _attend_tiles(
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         if INTERPRET:
             p = fp8.snap_to_e4m3_grid(p)
-        if MASKED:
-            vt = tl.load(vt_block, boundary_check=(1,), padding_option="zero")
-        else:
-            vt = tl.load(vt_block)
+        vt = tl.load(vt_block)  # zero-padded to a multiple of 128 tokens (rebase.py)
         # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
         # alignment, which biases small late tiles towards zero when added to a large running O.
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
@@ -105,11 +102,9 @@ def _attention_forward_kernel(
     row0 = tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     in_seq = rows < len_q
-    q_block = tl.make_block_ptr(
-        q + q_start * (HEADS_Q * D) + head * D, shape=(len_q, D), strides=(HEADS_Q * D, 1),
-        offsets=(row0, 0), block_shape=(BLOCK_M, D), order=(1, 0),
-    )
-    q_tile = tl.load(q_block, boundary_check=(0,), padding_option="zero")
+    channels = tl.arange(0, D)
+    q_rows = q + ((q_start + rows) * HEADS_Q + head)[:, None] * D + channels[None, :]
+    q_tile = tl.load(q_rows, mask=in_seq[:, None], other=0.0)
     q_factor_seq = q_factor + head.to(tl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
     row_scale = tl.load(q_factor_seq + rows, mask=in_seq, other=0.0) * scale_log2
     k_block = tl.make_block_ptr(
@@ -117,7 +112,7 @@ def _attention_forward_kernel(
         offsets=(0, 0), block_shape=(BLOCK_N, D), order=(1, 0),
     )
     vt_block = tl.make_block_ptr(
-        vt + kv_head * D * t_pad + k_start, shape=(D, len_k), strides=(t_pad, 1),
+        vt + kv_head * D * t_pad + layout.padded_seq_start(k_start, seq), shape=(D, len_k), strides=(t_pad, 1),
         offsets=(0, 0), block_shape=(D, BLOCK_N), order=(1, 0),
     )
     k_tile_factor = k_factor + kv_head * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
@@ -147,7 +142,6 @@ def _attention_forward_kernel(
         unmasked_end, col_end, BLOCK_N, True, INTERPRET,
     )
 
-    channels = tl.arange(0, D)
     v_factor = exp2_int(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32) - 127)
     seen = row_sum > 0.0
     inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)

@@ -12,8 +12,11 @@ non-reduced index, in a single pass over the data:
   absolute error stays below the rounding error of the group's largest elements.
   Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``.
 * sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
-  blocks, the same shift is applied, and the data is stored transposed, ``[H, D, t_pad]`` with
-  tokens contiguous, so that P·V reads V K-major. Output: that tensor and the uint8 exponent
+  blocks, the same shift is applied, and the data is stored transposed, ``[H, D, padded_total]``
+  with tokens contiguous, so that P·V reads V K-major. Token ``i`` of sequence ``b`` sits at
+  column ``padded_seq_start(offsets[b], b) + i``: every sequence starts 128-aligned, so the
+  kernel's loads of it are provably 16-byte aligned, and the columns up to its next multiple of
+  128 hold zeros, so a tile of up to 128 tokens never needs a bounds check. Output: that tensor and the uint8 exponent
   bytes ``[H, B, D]``.
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
@@ -56,7 +59,6 @@ if fp8.INTERPRETED:
     _let_interpreted_scalars_bound_loops()
 
 TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis blocks never straddle programs
-TOKEN_ALIGNMENT = 16  # rows of the transposed V are padded to 16 bytes (vector loads, TMA)
 
 
 @triton.jit
@@ -192,8 +194,10 @@ def _rebase_sequence_kernel(
     channels = tl.arange(0, D)
     channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
     rebased = fp8.to_e4m3(x * exp2_int(byte - channel_byte[None, :])[:, None, :], INTERPRET)
-    transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + (start + rows)[:, None]
-    tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)), mask=(rows < length)[:, None])
+    padded_rows = layout.padded_seq_start(start, seq) + rows
+    transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + padded_rows[:, None]
+    # Rows past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
+    tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)))
 
 
 def _scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
@@ -225,7 +229,7 @@ def _rebase_feature(values, offsets, mx, rounding, group):
 def _rebase_sequence(values, offsets, mx, rounding):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
-    t_pad = -(-max(total, 1) // TOKEN_ALIGNMENT) * TOKEN_ALIGNMENT
+    t_pad = padded_total(total, batch)
     transposed = torch.empty(heads, dim, t_pad, dtype=torch.float8_e4m3fn, device=values.device)
     exponent = torch.empty(heads, batch, dim, dtype=torch.uint8, device=values.device)
     work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
@@ -261,8 +265,8 @@ def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, roundin
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, t_pad]``, tokens contiguous, on one
-    exponent per (sequence, head, channel); uint8 exponent bytes ``[H, B, D]``)."""
+    """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, padded_total]``, tokens contiguous at
+    their padded rows, on one exponent per (sequence, head, channel); uint8 exponent bytes ``[H, B, D]``)."""
     return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding)
 
 

@@ -236,7 +236,7 @@ def ceilings():
 FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "varlen_attn", "cudnn sdpa", "flex"]
 BACKWARD_COLUMNS = ["ours bwd", "varlen_attn bwd", "cudnn sdpa bwd", "flex bwd"]
 BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
-SWEEP = [dict(BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=s) for n, s in ((128, 2), (128, 4), (64, 3))]
+SWEEP = [dict(BLOCK_M=128, BLOCK_N=n, num_warps=8, num_stages=s) for n, s in ((64, 3), (64, 4), (128, 2))]
 
 
 def table(rows, columns, ours_column, peer_columns):
