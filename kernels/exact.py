@@ -50,6 +50,8 @@ BLOCK_M = 128
 BLOCK_N = 128
 DKDV_BLOCK_M = 64  # query tile of the dK/dV kernel (see dkdv_kernel)
 HEAD_DIMS = (64, 128)
+NUM_WARPS = 8
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -164,7 +166,8 @@ def forward_kernel(
         cols = first_key + tl.arange(0, BLOCK_N)
         k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
         k_scale = feature_scales(k_scales, k_padded, cols, D, FEATURE_COL_TILES)
-        s = scores_log2(q, q_scale, k, k_scale, visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), qk_scale_log2)
+        mask = visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL)
+        s = scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2)
         row_max = tl.maximum(row_max, tl.max(s, axis=1))
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # rows that see no key: P = 0
 
@@ -175,7 +178,8 @@ def forward_kernel(
         cols = first_key + tl.arange(0, BLOCK_N)
         k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
         k_scale = feature_scales(k_scales, k_padded, cols, D, FEATURE_COL_TILES)
-        s = scores_log2(q, q_scale, k, k_scale, visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), qk_scale_log2)
+        mask = visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL)
+        s = scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2)
         p = tl.exp2(s - row_max[:, None])
         row_sum += tl.sum(p, axis=1)
         v = load_tokens(v_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
@@ -369,12 +373,14 @@ def _sequence_col_tiles(mx: MXFP8Jagged) -> int:
     return num_tiles(scale_matrix_shape("sequence", mx.total, mx.batch_size, mx.head_dim)[1], TILE_COLS)
 
 
+def _launch_meta(head_dim: int, causal: bool) -> dict:
+    """Compile-time parameters and launch options shared by the kernels (all but BLOCK_M)."""
+    return dict(D=head_dim, FEATURE_COL_TILES=_feature_col_tiles(head_dim), CAUSAL=causal, BLOCK_N=BLOCK_N,
+                INTERPRET=fp8.INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
 def _max_length(offsets: torch.Tensor) -> int:
     return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
-
-
-def _launch_options() -> dict:
-    return dict(num_warps=8, num_stages=1 if fp8.INTERPRETED else 2)
 
 
 def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float,
@@ -406,8 +412,7 @@ def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal:
     forward_kernel[grid](
         q.data, q_scales, k.data, k_scales, v.data, v_scales, out, lse, q.offsets, k.offsets,
         q_scales.stride(0), k_scales.stride(0), v_scales.stride(0), _sequence_col_tiles(v),
-        softmax_scale * (1.0 / math.log(2.0)), heads_q, heads_kv, D=head_dim, FEATURE_COL_TILES=_feature_col_tiles(head_dim),
-        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, INTERPRET=fp8.INTERPRETED, **_launch_options(),
+        softmax_scale * LOG2E.value, heads_q, heads_kv, BLOCK_M=BLOCK_M, **_launch_meta(head_dim, causal),
     )
     return out, lse
 
@@ -438,8 +443,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
                                                        ("do_seq", do_sequence), ("k", k_feature),
                                                        ("k_seq", k_sequence), ("v", v_feature)]}
     lse = lse.contiguous()
-    meta = dict(D=head_dim, FEATURE_COL_TILES=_feature_col_tiles(head_dim), CAUSAL=causal, BLOCK_N=BLOCK_N,
-                INTERPRET=fp8.INTERPRETED, **_launch_options())
+    meta = _launch_meta(head_dim, causal)
     dkdv_grid = (triton.cdiv(_max_length(offsets_k), BLOCK_N), batch, heads_kv)
     if 0 not in dkdv_grid:
         dkdv_kernel[dkdv_grid](

@@ -21,7 +21,11 @@ from jagged_attn.reference import reference_backward, reference_forward
 
 MODULE = "jagged_attn.kernels.exact"
 # (kernel, dot_scaled call sites, BLOCK_M)
-KERNELS = [("forward_kernel", 3, exact.BLOCK_M), ("dkdv_kernel", 4, exact.DKDV_BLOCK_M), ("dq_kernel", 3, exact.BLOCK_M)]
+KERNELS = [
+    ("forward_kernel", 3, exact.BLOCK_M),
+    ("dkdv_kernel", 4, exact.DKDV_BLOCK_M),
+    ("dq_kernel", 3, exact.BLOCK_M),
+]
 SCALED_MMA = "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale"
 # Emulation on targets without a block-scaled MMA: fp8 -> f16/bf16 conversions, then bf16 scale multiplies.
 FP8_UPCAST = re.compile(r"cvt\.\S*\.e[45]m[23]x2\s")
@@ -67,7 +71,8 @@ def signature(kernel: str, constexprs: dict) -> dict:
 def compile_kernel(kernel: str, block_m: int, head_dim: int, causal: bool, arch: int) -> str:
     constexprs = dict(D=head_dim, FEATURE_COL_TILES=exact._feature_col_tiles(head_dim), CAUSAL=causal,
                       BLOCK_M=block_m, BLOCK_N=exact.BLOCK_N, INTERPRET=False)
-    return compile_ptx(MODULE, kernel, signature(kernel, constexprs), constexprs, arch=arch, num_warps=8)
+    return compile_ptx(MODULE, kernel, signature(kernel, constexprs), constexprs, arch=arch,
+                       num_warps=exact.NUM_WARPS, num_stages=exact.NUM_STAGES)
 
 
 @pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
