@@ -126,10 +126,11 @@ def poison_cuda_cache() -> None:
             torch.full((numel,), float("nan"), device="cuda")
 
 
-def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, kind, dtype, device):
+def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, kind, dtype, device,
+                    offsets_dtype=torch.int64):
     """Forward and backward of the exact path vs the reference (float64) on the same MXFP8 operands."""
-    offsets_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device)
-    offsets_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device)
+    offsets_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device, offsets_dtype)
+    offsets_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device, offsets_dtype)
     total_q, total_k = sum(lengths_q), sum(lengths_k)
     q = make_inputs(kind, total_q, heads_q, head_dim, device).to(dtype)
     k = make_inputs(kind, total_k, heads_kv, head_dim, device).to(dtype)
@@ -173,7 +174,7 @@ def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, k
 def test_exact_matches_reference_tiny(causal, heads_q, heads_kv, head_dim):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check_attention([0, 1, 33, 130, 31], [5, 0, 64, 129, 160], heads_q, heads_kv, head_dim, causal, "gaussian",
-                    torch.float32, device)
+                    torch.float32, device, offsets_dtype=torch.int32)
 
 
 RAGGED_Q = [0, 1, 31, 32, 33, 127, 128, 129, 300, 5]
@@ -196,8 +197,8 @@ def test_exact_matches_reference_gpu(kind, lengths_k, causal, heads_q, heads_kv,
 
 
 @pytest.mark.gpu
-def test_exact_float32_gpu():
-    check_attention(RAGGED_Q, RAGGED_K, 4, 2, 128, True, "gaussian", torch.float32, "cuda")
+def test_exact_float32_int32_offsets_gpu():
+    check_attention(RAGGED_Q, RAGGED_K, 4, 2, 128, True, "gaussian", torch.float32, "cuda", offsets_dtype=torch.int32)
 
 
 def test_rejects_bad_operands():
