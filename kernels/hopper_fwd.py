@@ -1,7 +1,7 @@
 """Varlen MXFP8 attention forward for Hopper (sm_90): FP8 wgmma on rebased operands.
 
-Hopper's FP8 MMA has no block scales, so the operands are first rebased (``rebase.py``): Q to
-one exponent per token, K to one per KV tile, V to one per (sequence, head, channel), stored
+Hopper's FP8 MMA has no block scales, so the operands are rebased (``rebase.py``): Q to one
+exponent per token (by each program, on its own Q tile), K to one per KV tile, V to one per (sequence, head, channel), stored
 transposed so both wgmma operands are K-major. Those factors leave the MMAs: Q's per-row and K's
 per-tile factors fold into the softmax scale of each row, V's scale each output channel in the
 epilogue. (A per-key factor would cost a broadcast column vector, ~32 registers per thread, and
@@ -30,7 +30,10 @@ from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged
 
 from . import fp8, layout
-from .rebase import exp2_int, sequence_span, quantize_rebase_feature, quantize_rebase_sequence, rebase_feature, rebase_sequence
+from .rebase import (
+    exp2_int, quantize_rebase_feature, quantize_rebase_sequence, rebase_feature, rebase_sequence, rebased_feature_rows,
+    scale_args, sequence_span,
+)
 from .schedule import work_list
 
 LOG2E = 1.0 / math.log(2.0)
@@ -83,11 +86,12 @@ def _attend_tiles(
 
 @triton.jit
 def _attention_forward_kernel(
-    q, q_factor, k, k_factor, vt, v_exponent, out, lse,
+    q, q_scales, k, k_factor, vt, v_exponent, out, lse,
     offsets_q, offsets_k, work,
-    scale_log2, q_groups, k_groups, t_pad, batch,
+    scale_log2, q_scale_bytes_per_head, q_col_tiles, k_groups, t_pad, batch,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    Q_FROM_HIGH_PRECISION: tl.constexpr, Q_FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0) // HEADS_Q
     head = tl.program_id(0) % HEADS_Q
@@ -102,11 +106,11 @@ def _attention_forward_kernel(
     row0 = tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     in_seq = rows < len_q
-    channels = tl.arange(0, D)
-    q_rows = q + ((q_start + rows) * HEADS_Q + head)[:, None] * D + channels[None, :]
-    q_tile = tl.load(q_rows, mask=in_seq[:, None], other=0.0)
-    q_factor_seq = q_factor + head.to(tl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
-    row_scale = tl.load(q_factor_seq + rows, mask=in_seq, other=0.0) * scale_log2
+    q_tile, q_byte = rebased_feature_rows(
+        q, q_scales, head, seq, q_start, len_q, rows, q_scale_bytes_per_head, q_col_tiles,
+        HEADS_Q, D, BLOCK_M, 1, Q_FROM_HIGH_PRECISION, Q_FLOOR, INTERPRET,
+    )
+    row_scale = exp2_int(q_byte - 127) * scale_log2
     k_block = tl.make_block_ptr(
         k + k_start * (HEADS_KV * D) + kv_head * D, shape=(len_k, D), strides=(HEADS_KV * D, 1),
         offsets=(0, 0), block_shape=(BLOCK_N, D), order=(1, 0),
@@ -142,6 +146,7 @@ def _attention_forward_kernel(
         unmasked_end, col_end, BLOCK_N, True, INTERPRET,
     )
 
+    channels = tl.arange(0, D)
     v_factor = exp2_int(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32) - 127)
     seen = row_sum > 0.0
     inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)
@@ -153,21 +158,24 @@ def _attention_forward_kernel(
     tl.store(lse + tokens * HEADS_Q + head, tl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 
-def _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
-                     out_dtype, config=None):
-    """The kernel on rebased operands; ``config`` (default ``tile_config``) must have the BLOCK_N that
-    K was rebased with."""
-    total_q, heads_q, dim = q8.shape
+def _forward(q, q_mx, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale, out_dtype,
+             rounding="rceil", config=None):
+    """The kernel on rebased K, V and on Q as it comes: ``q`` is the e4m3 data of ``q_mx`` or, with
+    ``q_mx=None``, high-precision values; the kernel quantizes (by ``rounding``) and rebases its own
+    Q tile. ``config`` (default ``tile_config``) must have the BLOCK_N that K was rebased with."""
+    total_q, heads_q, dim = q.shape
     heads_kv = k8.shape[1]
     config = tile_config(dim) if config is None else config
-    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q8.device)
-    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q8.device)
+    q_scales, q_per_head, q_col_tiles = scale_args(q_mx, "feature", total_q, offsets_q.numel() - 1, dim, q.device)
+    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q.device)
+    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
     work = work_list(offsets_q, offsets_k, total_q, config["BLOCK_M"], causal=causal)
     if work.shape[0]:
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
-            q8, q_factor, k8, k_factor, vt, v_exponent, out, lse, offsets_q, offsets_k, work,
-            softmax_scale * LOG2E, q_factor.shape[1], k_factor.shape[1], vt.shape[2], offsets_q.numel() - 1,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, INTERPRET=fp8.INTERPRETED, **config,
+            q, q_scales, k8, k_factor, vt, v_exponent, out, lse, offsets_q, offsets_k, work,
+            softmax_scale * LOG2E, q_per_head, q_col_tiles, k_factor.shape[1], vt.shape[2], offsets_q.numel() - 1,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, Q_FROM_HIGH_PRECISION=q_mx is None,
+            Q_FLOOR=rounding == "floor", INTERPRET=fp8.INTERPRETED, **config,
         )
     return out, lse
 
@@ -179,19 +187,18 @@ def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal:
     q, k: feature-axis ``MXFP8Jagged`` (``[total_q, Hq, D]``, ``[total_k, Hkv, D]``); v: sequence-axis,
     offsets equal to k's. Returns (out ``[total_q, Hq, D]`` out_dtype, lse fp32 ``[total_q, Hq]``, natural
     log; rows that see no key get out = 0 and lse = -inf). Causal is bottom-right aligned.
+    K and V are rebased in one pass each; Q is rebased inside the kernel.
     """
-    q8, q_factor = rebase_feature(q)
     k8, k_factor = rebase_feature(k, group=tile_config(k.head_dim)["BLOCK_N"])
     vt, v_exponent = rebase_sequence(v)
-    return _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, q.offsets, k.offsets, causal=causal,
-                            softmax_scale=softmax_scale, out_dtype=out_dtype)
+    return _forward(q.data, q, k8, k_factor, vt, v_exponent, q.offsets, k.offsets, causal=causal,
+                    softmax_scale=softmax_scale, out_dtype=out_dtype)
 
 
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
-    quantized to MXFP8 (rceil) and rebased in one pass each, then the same kernel."""
-    q8, q_factor = quantize_rebase_feature(q, offsets_q)
+    K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
     k8, k_factor = quantize_rebase_feature(k, offsets_k, group=tile_config(k.shape[-1])["BLOCK_N"])
     vt, v_exponent = quantize_rebase_sequence(v, offsets_k)
-    return _forward_rebased(q8, q_factor, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
-                            softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype)
+    return _forward(q, None, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
+                    softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype)

@@ -90,6 +90,34 @@ def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def rebased_feature_rows(
+    src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Rows ``rows`` (a run of BLOCK_T starting at a multiple of GROUP) of one head of a feature-axis
+    operand, rebased: (e4m3 ``[BLOCK_T, D]``, int32 exponent bytes ``[BLOCK_T / GROUP]`` of the groups).
+
+    ``src`` holds e4m3 data with its tiled ``scales``, or high-precision values quantized here.
+    Rows past ``length`` come back as zeros.
+    """
+    x = tl.reshape(_load_rows(src, head, start, rows, length, HEADS, D), (BLOCK_T, D // 32, 32))
+    if FROM_HIGH_PRECISION:
+        byte = scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
+        x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
+    else:
+        padded_rows = layout.padded_seq_start(start, seq) + rows
+        blocks = tl.arange(0, D // 32)
+        where = layout.scale_byte_offset(padded_rows[:, None], blocks[None, :], n_col_tiles)
+        in_seq = (rows < length)[:, None]
+        byte = tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
+    group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
+    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
+    rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
+    return tl.reshape(rebased, (BLOCK_T, D)), group_byte
+
+
+@triton.jit
 def _rebase_feature_kernel(
     src, scales, offsets, work, dst, factor, n_groups, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -103,21 +131,12 @@ def _rebase_feature_kernel(
     tile = tl.load(work + 2 * slot + 1)
     start, length = sequence_span(offsets, seq)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_seq = rows < length
-    x = tl.reshape(_load_rows(src, head, start, rows, length, HEADS, D), (BLOCK_T, D // 32, 32))
-    padded_rows = layout.padded_seq_start(start, seq) + rows
-    if FROM_HIGH_PRECISION:
-        byte = scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
-        x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
-    else:
-        blocks = tl.arange(0, D // 32)
-        where = layout.scale_byte_offset(padded_rows[:, None], blocks[None, :], n_col_tiles)
-        byte = tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq[:, None], other=0).to(tl.int32)
-    group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
-    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
-    rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
+    rebased, group_byte = rebased_feature_rows(
+        src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+        HEADS, D, BLOCK_T, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
+    )
     element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
-    tl.store(dst + element, tl.reshape(rebased, (BLOCK_T, D)), mask=in_seq[:, None])
+    tl.store(dst + element, rebased, mask=(rows < length)[:, None])
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
     tl.store(factor + head * n_groups + groups, exp2_int(group_byte - 127))
 
@@ -200,7 +219,7 @@ def _rebase_sequence_kernel(
     tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)))
 
 
-def _scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
+def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
     """(scale buffer, bytes per head, column tiles) for a kernel; a dummy buffer for raw values."""
     _, cols = scale_matrix_shape(axis, total, batch, dim)
     if mx is None:
@@ -216,7 +235,7 @@ def _rebase_feature(values, offsets, mx, rounding, group):
     data = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=values.device)
     factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
     work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
-    scales, per_head, col_tiles = _scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
+    scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
@@ -233,7 +252,7 @@ def _rebase_sequence(values, offsets, mx, rounding):
     transposed = torch.empty(heads, dim, t_pad, dtype=torch.float8_e4m3fn, device=values.device)
     exponent = torch.empty(heads, batch, dim, dtype=torch.uint8, device=values.device)
     work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
-    scales, per_head, col_tiles = _scale_args(mx, "sequence", total, batch, dim, values.device)
+    scales, per_head, col_tiles = scale_args(mx, "sequence", total, batch, dim, values.device)
     common = dict(HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
                   FLOOR=rounding == "floor")
     if batch:
