@@ -14,7 +14,10 @@ scale is kept constant along the reduction of the GEMM that reads it and applied
 * sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and
   dO shared by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to
   the sequence's largest exponent. It is constant along the whole dK / dV / dQ reduction, so
-  the MMAs chain in their accumulators and the scale is applied once in the epilogue. These
+  the MMAs chain in their accumulators and the scale is applied once in the epilogue. So that
+  tokens of small norm keep their precision, the Q and K copies are first divided by each
+  token's head_dim scale, and that scale is folded into dS instead (dS times the query's and
+  the key's token scales is what gets quantized; dQ rows and dK rows divide it back out). These
   copies are stored transposed, ``[heads, D, padded_total]`` with sequence ``b`` at padded row
   ``padded_seq_start``, so that the sequence axis is contiguous (K-major), as FP8 wgmma needs
   for both operands. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there (the
@@ -52,8 +55,12 @@ LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
 E4M3_LIMIT = tl.constexpr(E4M3_MAX)
 SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
+SMALLEST_NORMAL = tl.constexpr(2.0**-126)
 PRODUCER_TILE = 128  # tokens per producer program
 PRODUCER_WARPS = 8
+# With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
+# fp32) are promoted to fp32 after every 32-wide k step.
+PRECISE_ACC_STEP = 32
 HEAD_DIMS = (64, 128)
 
 
@@ -76,6 +83,12 @@ def _byte_to_inverse_scale(byte):
 def _scale_byte(amax):
     """E8M0 byte (rceil rule, owned by ``mx_format``) for fp32 maxima ``amax``."""
     return rceil_scale_byte((amax / E4M3_LIMIT).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _inverse(scale):
+    """``1 / scale`` for power-of-two scales (exact), 0 where the scale is 0 (an all-zero token)."""
+    return tl.where(scale > 0, 1.0 / tl.maximum(scale, SMALLEST_NORMAL), 0.0)
 
 
 @triton.jit
@@ -107,15 +120,30 @@ def _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS: tl.constexpr, HEAD_DIM: tl
 
 
 @triton.jit
+def _token_scale_byte(x):
+    """Per-row E8M0 byte of a ``[rows, D]`` tile: the head_dim-axis scale of each token."""
+    return _scale_byte(tl.max(tl.abs(x), axis=1))
+
+
+@triton.jit
+def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
+    """What the sequence-axis copy quantizes: ``x``, or ``x`` over each token's own scale."""
+    if NORMALIZE_TOKENS:
+        x = x * _byte_to_inverse_scale(_token_scale_byte(x))[:, None]
+    return x
+
+
+@triton.jit
 def _sequence_amax_kernel(
     x_ptr, offsets_ptr, amax_ptr, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
 ):
-    """Per-(head, sequence, channel) absolute maxima into ``amax`` (int32 bits of the fp32
-    values, ``[H, B, D]``, zero-initialized): non-negative floats order like their bits."""
+    """Per-(head, sequence, channel) absolute maxima of :func:`_sequence_axis_values` into
+    ``amax`` (int32 bits of the fp32 values, ``[H, B, D]``, zero-initialized): non-negative
+    floats order like their bits."""
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x, _, _, _, _ = _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS, HEAD_DIM, TILE)
-    amax_bits = tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True)
+    amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
     tl.atomic_max(amax_ptr + (h * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
 
 
@@ -126,14 +154,16 @@ def _quantize_kernel(
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits [H, B, D] -> e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
     total, padded, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
-    FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr, INTERPRET: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
+    GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
 
     FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed. DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where
+    stored transposed; with NORMALIZE_TOKENS each token is first divided by its own head_dim
+    scale (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where
     LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key).
     """
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -143,7 +173,7 @@ def _quantize_kernel(
     tokens = seq_start + rows
     channels = tl.arange(0, HEAD_DIM)
     if FEATURE:
-        byte = _scale_byte(tl.max(tl.abs(x), axis=1))
+        byte = _token_scale_byte(x)
         data = fp8.to_e4m3(x * _byte_to_inverse_scale(byte)[:, None], INTERPRET)
         tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
         tl.store(feature_scale_ptr + h * total + tokens, _byte_to_scale(byte), mask=in_seq)
@@ -154,7 +184,8 @@ def _quantize_kernel(
             head_amax = tl.load(amax_ptr + ((group * GROUP + j) * batch + b) * HEAD_DIM + channels)
             amax_bits = tl.maximum(amax_bits, head_amax)
         byte = _scale_byte(amax_bits.to(tl.float32, bitcast=True))
-        data = fp8.to_e4m3(x * _byte_to_inverse_scale(byte)[None, :], INTERPRET)
+        values = _sequence_axis_values(x, NORMALIZE_TOKENS)
+        data = fp8.to_e4m3(values * _byte_to_inverse_scale(byte)[None, :], INTERPRET)
         padded_rows = padded_seq_start(seq_start, b) + rows
         transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
         tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
@@ -191,18 +222,18 @@ def _visible(n, m, len_k, causal_shift, CAUSAL: tl.constexpr):
 @triton.jit
 def _load_kv_tile(
     k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
-    total_k, padded_k, qk_log2,
+    total_k, padded_k,
     HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Key tile ``[BLOCK_N, D]`` (scales times ``qk_log2``), value tile, and the transposed
-    sequence-axis key tile ``[D, BLOCK_N]``; zeros past ``len_k``."""
+    """Key tile ``[BLOCK_N, D]`` with its per-token scales, value tile and scales, and the
+    transposed sequence-axis key tile ``[D, BLOCK_N]``; zeros past ``len_k``."""
     n_idx = n_start + tl.arange(0, BLOCK_N)
     n_in = n_idx < len_k
     channels = tl.arange(0, HEAD_DIM)
     natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
     scales = kv_head * total_k + k_start + n_idx
     k = tl.load(k_ptr + natural, mask=n_in[:, None], other=0.0)
-    k_scale = tl.load(k_scale_ptr + scales, mask=n_in, other=0.0) * qk_log2
+    k_scale = tl.load(k_scale_ptr + scales, mask=n_in, other=0.0)
     v = tl.load(v_ptr + natural, mask=n_in[:, None], other=0.0)
     v_scale = tl.load(v_scale_ptr + scales, mask=n_in, other=0.0)
     rows = (kv_head * HEAD_DIM + channels).to(tl.int64)
@@ -215,16 +246,17 @@ def _load_kv_tile(
 def _dkdv_step(
     dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
     q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_channel_scale,
-    len_q, len_k, causal_shift, padded_q,
-    HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+    len_q, len_k, causal_shift, padded_q, qk_log2,
+    HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One query tile against the program's key tile; every pointer is already at (sequence, head).
 
     Rows past ``len_q`` load as zeros with lse2 = +inf, so their P is 0 without a mask; MASKED
-    adds the key-bound and causal masks for the tiles that need them. dv_acc is in units of
-    the dO sequence scales (epilogue), dk_acc in units of the Q sequence scales times the
-    running dS scale ``2^(ds_byte - 127)``.
+    adds the key-bound and causal masks for the tiles that need them. dS is quantized times
+    the Q and K token scales (the sequence-axis copies of Q and K are token-normalized). dv_acc
+    is in units of the dO sequence scales, dk_acc in units of the Q sequence scales times the
+    running dS scale ``2^(ds_byte - 127)`` times the key's token scale (all in the epilogue).
     """
     m_idx = m_start + tl.arange(0, BLOCK_M)
     m_in = m_idx < len_q
@@ -235,23 +267,27 @@ def _dkdv_step(
     q = tl.load(q_ptr + natural, mask=m_in[:, None], other=0.0)
     q_scale = tl.load(q_scale_ptr + m_idx, mask=m_in, other=0.0)
     lse2 = tl.load(lse2_ptr + m_idx, mask=m_in, other=float("inf"))
-    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * (k_scale[:, None] * q_scale[None, :]) - lse2[None, :])
+    token_scales = k_scale[:, None] * q_scale[None, :]
+    p_t = tl.exp2(tl.dot(k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP) * token_scales * qk_log2 - lse2[None, :])
     if MASKED:
         p_t = tl.where(_visible(n_idx[:, None], m_idx[None, :], len_k, causal_shift, CAUSAL), p_t, 0.0)
 
+    p8_t = fp8.to_e4m3(p_t * P_SCALE, INTERPRET)
+    scaled_p_t = p_t * token_scales  # dS is formed with the token scales folded in
     do_t = tl.load(dot_ptr + transposed)
-    dv_acc = tl.dot(fp8.to_e4m3(p_t * P_SCALE, INTERPRET), tl.trans(do_t), dv_acc)
+    dv_acc = tl.dot(p8_t, tl.trans(do_t), dv_acc)
 
     do = tl.load(do_ptr + natural, mask=m_in[:, None], other=0.0)
     do_scale = tl.load(do_scale_ptr + m_idx, mask=m_in, other=0.0)
     delta = tl.load(delta_ptr + m_idx, mask=m_in, other=0.0)
-    dp_t = tl.dot(v, tl.trans(do)) * (v_scale[:, None] * do_scale[None, :])
-    ds8_t, ds_byte, rescale = _quantize_running(p_t * (dp_t - delta[None, :]), ds_byte, INTERPRET)
+    dp_t = tl.dot(v, tl.trans(do), max_num_imprecise_acc=SCORE_ACC_STEP) * (v_scale[:, None] * do_scale[None, :])
+    ds8_t, ds_byte, rescale = _quantize_running(scaled_p_t * (dp_t - delta[None, :]), ds_byte, INTERPRET)
 
     q_t = tl.load(qt_ptr + transposed)
     dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
     if ACCUMULATE_DQ:
         dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * _byte_to_scale(ds_byte))[None, :]
+        dq = dq * _inverse(q_scale)[:, None]
         tl.atomic_add(dq_ptr + natural, dq, mask=m_in[:, None], sem="relaxed")
     return dk_acc, dv_acc, ds_byte
 
@@ -267,8 +303,8 @@ def _dkdv_kernel(
     offsets_q_ptr, offsets_k_ptr,
     total_q, total_k, padded_q, padded_k, batch, softmax_scale,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SCORE_ACC_STEP: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
@@ -289,7 +325,7 @@ def _dkdv_kernel(
     kv_natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
     k, k_scale, v, v_scale, kt = _load_kv_tile(
         k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
-        total_k, padded_k, softmax_scale * LOG2E, HEADS_KV, HEAD_DIM, BLOCK_N,
+        total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N,
     )
     sequence_scales = (kv_head * batch + b) * HEAD_DIM + channels
     dq_channel_scale = tl.load(kt_scale_ptr + sequence_scales) * softmax_scale
@@ -321,12 +357,13 @@ def _dkdv_kernel(
                     dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
                     q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off, do_scale_ptr + scale_off,
                     dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off, dq_ptr + q_off, dq_channel_scale,
-                    len_q, len_k, causal_shift, padded_q,
-                    HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, ACCUMULATE_DQ, INTERPRET,
+                    len_q, len_k, causal_shift, padded_q, softmax_scale * LOG2E,
+                    HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, INTERPRET,
                 )
     dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (_byte_to_scale(ds_byte) * softmax_scale)
     dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
-    tl.store(dk_ptr + kv_natural, (dk_acc * dk_scale[None, :]).to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
+    dk = dk_acc * dk_scale[None, :] * _inverse(k_scale)[:, None]
+    tl.store(dk_ptr + kv_natural, dk.to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
     tl.store(dv_ptr + kv_natural, (dv_acc * dv_scale[None, :]).to(dv_ptr.dtype.element_ty), mask=n_in[:, None])
 
 
@@ -339,20 +376,23 @@ def _dq_step(
     k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
     total_k, padded_k, causal_shift, qk_log2,
     HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One key tile against the program's query tile: ``dq_acc += dS K`` in units of the K
-    sequence scales times the running dS scale."""
+    sequence scales times the running dS scale times the query's token scale (dS is quantized
+    times the token scales, as in :func:`_dkdv_step`)."""
     k, k_scale, v, v_scale, kt = _load_kv_tile(
         k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
-        total_k, padded_k, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N,
+        total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N,
     )
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * (q_scale[:, None] * k_scale[None, :]) - lse2[:, None])
+    token_scales = q_scale[:, None] * k_scale[None, :]
+    p = tl.exp2(tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP) * token_scales * qk_log2 - lse2[:, None])
     if MASKED:
         n_idx = n_start + tl.arange(0, BLOCK_N)
         p = tl.where(_visible(n_idx[None, :], m_idx[:, None], len_k, causal_shift, CAUSAL), p, 0.0)
-    dp = tl.dot(do, tl.trans(v)) * (do_scale[:, None] * v_scale[None, :])
-    ds8, ds_byte, rescale = _quantize_running(p * (dp - delta[:, None]), ds_byte, INTERPRET)
+    scaled_p = p * token_scales  # dS is formed with the token scales folded in
+    dp = tl.dot(do, tl.trans(v), max_num_imprecise_acc=SCORE_ACC_STEP) * (do_scale[:, None] * v_scale[None, :])
+    ds8, ds_byte, rescale = _quantize_running(scaled_p * (dp - delta[:, None]), ds_byte, INTERPRET)
     return tl.dot(ds8, tl.trans(kt), dq_acc * rescale), ds_byte
 
 
@@ -363,8 +403,8 @@ def _dq_kernel(
     offsets_q_ptr, offsets_k_ptr,
     total_q, total_k, padded_k, batch, softmax_scale,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SCORE_ACC_STEP: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """dQ of one (BLOCK_M query tile, sequence, query head), looping over its key tiles in order
     (no atomics: bit-identical run to run). Layouts as in :func:`_dkdv_kernel`; dq in the output
@@ -402,10 +442,12 @@ def _dq_kernel(
             dq_acc, ds_byte = _dq_step(
                 dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
                 k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
-                total_k, padded_k, causal_shift, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1, INTERPRET,
+                total_k, padded_k, causal_shift, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
+                SCORE_ACC_STEP, INTERPRET,
             )
     dq_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels) * (_byte_to_scale(ds_byte) * softmax_scale)
-    tl.store(dq_ptr + natural, (dq_acc * dq_scale[None, :]).to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
+    dq = dq_acc * dq_scale[None, :] * _inverse(q_scale)[:, None]
+    tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -419,10 +461,11 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-def _quantize(x, offsets, max_len, *, feature, sequence, group=1, out=None, lse=None):
+def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
-    ``sequence`` scales are shared by each ``group`` of consecutive heads. With ``out`` and
+    ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
+    dividing each token by its head_dim scale with ``normalize_tokens``). With ``out`` and
     ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     """
     total, heads, dim = x.shape
@@ -442,7 +485,8 @@ def _quantize(x, offsets, max_len, *, feature, sequence, group=1, out=None, lse=
     if max_len == 0:
         return result, delta, lse2
     grid = (triton.cdiv(max_len, PRODUCER_TILE), batch, heads)
-    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, num_warps=PRODUCER_WARPS)
+    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
+                 num_warps=PRODUCER_WARPS)
     amax = torch.zeros(heads, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
         _sequence_amax_kernel[grid](x, offsets, amax, batch, **shape)
@@ -463,8 +507,8 @@ def _quantize(x, offsets, max_len, *, feature, sequence, group=1, out=None, lse=
 def _default_config(device: torch.device) -> dict:
     """Tile sizes: GPU-tuned on sm_90, small ones for the CPU interpreter."""
     if device.type == "cuda":
-        return dict(block_m=64, block_n=128, num_warps=8, num_stages=2)
-    return dict(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        return dict(block_m=64, block_n=128, precise_scores=False, num_warps=8, num_stages=3)
+    return dict(block_m=32, block_n=32, precise_scores=False, num_warps=4, num_stages=1)
 
 
 def _check_inputs(dout, q, k, v, out, lse):
@@ -481,48 +525,73 @@ def _check_inputs(dout, q, k, v, out, lse):
         raise ValueError(f"lse must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(lse.shape)}")
 
 
+class _Prepared:
+    """The producers' outputs for one backward call, plus the sizes the launches need."""
+
+    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k):
+        self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
+        self.batch = offsets_q.numel() - 1
+        self.total_q, self.total_k = q.shape[0], k.shape[0]
+        self.padded_q, self.padded_k = padded_total(self.total_q, self.batch), padded_total(self.total_k, self.batch)
+        self.offsets_q, self.offsets_k = offsets_q, offsets_k
+        self.max_len_q = int((offsets_q[1:] - offsets_q[:-1]).max())
+        self.max_len_k = int((offsets_k[1:] - offsets_k[:-1]).max())
+        dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+        lse = lse.to(torch.float32).contiguous()
+        group = self.heads_q // self.heads_kv
+        self.q, _, _ = _quantize(q, offsets_q, self.max_len_q, feature=True, sequence=True, normalize_tokens=True,
+                                 group=group)
+        self.k, _, _ = _quantize(k, offsets_k, self.max_len_k, feature=True, sequence=True, normalize_tokens=True)
+        self.v, _, _ = _quantize(v, offsets_k, self.max_len_k, feature=True, sequence=False)
+        self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, self.max_len_q, feature=True, sequence=True,
+                                                   group=group, out=out, lse=lse)
+
+    def shape_constants(self, block_m, block_n, causal, precise_scores, num_warps, num_stages):
+        return dict(HEADS_Q=self.heads_q, HEADS_KV=self.heads_kv, HEAD_DIM=self.dim, BLOCK_M=block_m,
+                    BLOCK_N=block_n, CAUSAL=causal, SCORE_ACC_STEP=PRECISE_ACC_STEP if precise_scores else None,
+                    INTERPRET=fp8.INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, block_m, block_n, **shape):
+    """dK, dV (and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``)."""
+    q, k, v, do = prep.q, prep.k, prep.v, prep.do
+    _dkdv_kernel[(triton.cdiv(prep.max_len_k, block_n), prep.batch, prep.heads_kv)](
+        q.feature, q.feature_scale, q.sequence, q.sequence_scale,
+        k.feature, k.feature_scale, k.sequence, k.sequence_scale,
+        v.feature, v.feature_scale,
+        do.feature, do.feature_scale, do.sequence, do.sequence_scale,
+        prep.lse2, prep.delta, dq_accum, dk, dv, prep.offsets_q, prep.offsets_k,
+        prep.total_q, prep.total_k, prep.padded_q, prep.padded_k, prep.batch, softmax_scale,
+        ACCUMULATE_DQ=accumulate_dq, **prep.shape_constants(block_m, block_n, **shape),
+    )
+
+
+def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
+    """dQ by the deterministic kernel."""
+    q, k, v, do = prep.q, prep.k, prep.v, prep.do
+    _dq_kernel[(triton.cdiv(prep.max_len_q, block_m), prep.batch, prep.heads_q)](
+        q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
+        v.feature, v.feature_scale, do.feature, do.feature_scale, prep.lse2, prep.delta, dq,
+        prep.offsets_q, prep.offsets_k, prep.total_q, prep.total_k, prep.padded_k, prep.batch, softmax_scale,
+        **prep.shape_constants(block_m, block_n, **shape),
+    )
+
+
 def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
-                   deterministic, block_m, block_n, num_warps, num_stages):
+                   deterministic, **config):
     """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`."""
-    heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
-    batch = offsets_q.numel() - 1
-    total_q, total_k = q.shape[0], k.shape[0]
-    if batch == 0:
+    if offsets_q.numel() == 1:
         return
-    max_len_q = int((offsets_q[1:] - offsets_q[:-1]).max())
-    max_len_k = int((offsets_k[1:] - offsets_k[:-1]).max())
-    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    lse = lse.to(torch.float32).contiguous()
-    group = heads_q // heads_kv
-    q8, _, _ = _quantize(q, offsets_q, max_len_q, feature=True, sequence=True, group=group)
-    k8, _, _ = _quantize(k, offsets_k, max_len_k, feature=True, sequence=True)
-    v8, _, _ = _quantize(v, offsets_k, max_len_k, feature=True, sequence=False)
-    do8, delta, lse2 = _quantize(dout, offsets_q, max_len_q, feature=True, sequence=True, group=group, out=out, lse=lse)
-    padded_q, padded_k = padded_total(total_q, batch), padded_total(total_k, batch)
-    meta = dict(num_warps=num_warps, num_stages=num_stages)
-    if max_len_k > 0:
+    prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
+    launch = dict(softmax_scale=softmax_scale, causal=causal, **config)
+    if prep.max_len_k > 0:
         dq_accum = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _dkdv_kernel[(triton.cdiv(max_len_k, block_n), batch, heads_kv)](
-            q8.feature, q8.feature_scale, q8.sequence, q8.sequence_scale,
-            k8.feature, k8.feature_scale, k8.sequence, k8.sequence_scale,
-            v8.feature, v8.feature_scale,
-            do8.feature, do8.feature_scale, do8.sequence, do8.sequence_scale,
-            lse2, delta, dq_accum, dk, dv, offsets_q, offsets_k,
-            total_q, total_k, padded_q, padded_k, batch, softmax_scale,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            CAUSAL=causal, ACCUMULATE_DQ=not deterministic, INTERPRET=fp8.INTERPRETED, **meta,
-        )
-    if max_len_q == 0:
+        _launch_dkdv(prep, dq_accum, dk, dv, accumulate_dq=not deterministic, **launch)
+    if prep.max_len_q == 0:
         return
     if deterministic:
-        _dq_kernel[(triton.cdiv(max_len_q, block_m), batch, heads_q)](
-            q8.feature, q8.feature_scale, k8.feature, k8.feature_scale, k8.sequence, k8.sequence_scale,
-            v8.feature, v8.feature_scale, do8.feature, do8.feature_scale, lse2, delta, dq,
-            offsets_q, offsets_k, total_q, total_k, padded_k, batch, softmax_scale,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            CAUSAL=causal, INTERPRET=fp8.INTERPRETED, **meta,
-        )
-    elif max_len_k > 0:
+        _launch_dq(prep, dq, **launch)
+    elif prep.max_len_k > 0:
         dq.copy_(dq_accum)
     else:
         dq.zero_()
