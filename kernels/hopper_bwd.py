@@ -48,6 +48,8 @@ import triton.language as tl
 from jagged_attn.mx_format import E4M3_MAX, P_STATIC_EXP
 from jagged_attn.offsets import padded_total
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from . import fp8
 from .layout import padded_seq_start, rceil_scale_byte
 
@@ -245,10 +247,11 @@ def _load_kv_tile(
 @triton.jit
 def _dkdv_step(
     dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
-    q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_channel_scale,
-    len_q, len_k, causal_shift, padded_q, qk_log2,
+    q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_desc, dq_row, dq_col,
+    dq_channel_scale, len_q, len_k, causal_shift, padded_q, qk_log2,
     HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+    MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One query tile against the program's key tile; every pointer is already at (sequence, head).
 
@@ -288,7 +291,10 @@ def _dkdv_step(
     if ACCUMULATE_DQ:
         dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * _byte_to_scale(ds_byte))[None, :]
         dq = dq * _inverse(q_scale)[:, None]
-        tl.atomic_add(dq_ptr + natural, dq, mask=m_in[:, None], sem="relaxed")
+        if TMA_REDUCE:  # one bulk reduce-add of the tile; rows past len_q add zeros
+            dq_desc.atomic_add([dq_row + m_start.to(tl.int32), dq_col], dq)
+        else:
+            tl.atomic_add(dq_ptr + natural, dq, mask=m_in[:, None], sem="relaxed")
     return dk_acc, dv_acc, ds_byte
 
 
@@ -299,19 +305,20 @@ def _dkdv_kernel(
     v_ptr, v_scale_ptr,
     do_ptr, do_scale_ptr, dot_ptr, dot_scale_ptr,
     lse2_ptr, delta_ptr,
-    dq_ptr, dk_ptr, dv_ptr,
+    dq_ptr, dq_desc, dk_ptr, dv_ptr,
     offsets_q_ptr, offsets_k_ptr,
     total_q, total_k, padded_q, padded_k, batch, softmax_scale,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SCORE_ACC_STEP: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
     Layouts as written by :func:`_quantize_kernel`: natural e4m3 ``[total, H, D]`` with fp32
     per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
     ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
-    ``[total_q, Hq, D]``; dk, dv in the output dtype ``[total_k, Hkv, D]``.
+    ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
+    ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
     """
     n_tile, b, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start, len_q, k_start, len_k = _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b)
@@ -356,9 +363,11 @@ def _dkdv_kernel(
                 dk_acc, dv_acc, ds_byte = _dkdv_step(
                     dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
                     q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off, do_scale_ptr + scale_off,
-                    dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off, dq_ptr + q_off, dq_channel_scale,
+                    dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off, dq_ptr + q_off,
+                    dq_desc, q_start.to(tl.int32), h * HEAD_DIM, dq_channel_scale,
                     len_q, len_k, causal_shift, padded_q, softmax_scale * LOG2E,
-                    HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, INTERPRET,
+                    HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, TMA_REDUCE,
+                    INTERPRET,
                 )
     dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (_byte_to_scale(ds_byte) * softmax_scale)
     dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
@@ -504,11 +513,15 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     return result, delta, lse2
 
 
+# The dQ kernel's own tile shape on the GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
+GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
 def _default_config(device: torch.device) -> dict:
     """Tile sizes: GPU-tuned on sm_90, small ones for the CPU interpreter."""
     if device.type == "cuda":
-        return dict(block_m=64, block_n=128, precise_scores=False, num_warps=8, num_stages=3)
-    return dict(block_m=32, block_n=32, precise_scores=False, num_warps=4, num_stages=1)
+        return dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=True, num_warps=8, num_stages=3)
+    return dict(block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4, num_stages=1)
 
 
 def _check_inputs(dout, q, k, v, out, lse):
@@ -552,22 +565,27 @@ class _Prepared:
                     INTERPRET=fp8.INTERPRETED, num_warps=num_warps, num_stages=num_stages)
 
 
-def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, block_m, block_n, **shape):
-    """dK, dV (and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``)."""
+def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_reduce, block_m, block_n, **shape):
+    """dK, dV (and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``: by TMA bulk
+    reduce-adds of whole tiles with ``tma_reduce``, else by per-element atomics)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
+    tma_reduce = tma_reduce and accumulate_dq and prep.total_q > 0 and not fp8.INTERPRETED
+    dq_desc = dq_accum
+    if tma_reduce:
+        dq_desc = TensorDescriptor.from_tensor(dq_accum.view(prep.total_q, -1), [block_m, prep.dim])
     _dkdv_kernel[(triton.cdiv(prep.max_len_k, block_n), prep.batch, prep.heads_kv)](
         q.feature, q.feature_scale, q.sequence, q.sequence_scale,
         k.feature, k.feature_scale, k.sequence, k.sequence_scale,
         v.feature, v.feature_scale,
         do.feature, do.feature_scale, do.sequence, do.sequence_scale,
-        prep.lse2, prep.delta, dq_accum, dk, dv, prep.offsets_q, prep.offsets_k,
+        prep.lse2, prep.delta, dq_accum, dq_desc, dk, dv, prep.offsets_q, prep.offsets_k,
         prep.total_q, prep.total_k, prep.padded_q, prep.padded_k, prep.batch, softmax_scale,
-        ACCUMULATE_DQ=accumulate_dq, **prep.shape_constants(block_m, block_n, **shape),
+        ACCUMULATE_DQ=accumulate_dq, TMA_REDUCE=tma_reduce, **prep.shape_constants(block_m, block_n, **shape),
     )
 
 
-def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
-    """dQ by the deterministic kernel."""
+def _launch_dq(prep, dq, *, softmax_scale, tma_reduce, block_m, block_n, **shape):
+    """dQ by the deterministic kernel (``tma_reduce`` does not apply)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     _dq_kernel[(triton.cdiv(prep.max_len_q, block_m), prep.batch, prep.heads_q)](
         q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
@@ -590,7 +608,7 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
     if prep.max_len_q == 0:
         return
     if deterministic:
-        _launch_dq(prep, dq, **launch)
+        _launch_dq(prep, dq, **dict(launch, **GPU_DQ_TILES) if q.is_cuda else launch)
     elif prep.max_len_k > 0:
         dq.copy_(dq_accum)
     else:

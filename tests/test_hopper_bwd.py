@@ -136,14 +136,15 @@ def _signature(kernel_args, pointer_types, constexprs):
 def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
     names = hopper_bwd._dkdv_kernel.arg_names
     constexprs = dict(HEADS_Q=4, HEADS_KV=2, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CAUSAL=True,
-                      SCORE_ACC_STEP=None, ACCUMULATE_DQ=True, INTERPRET=False)
+                      SCORE_ACC_STEP=None, ACCUMULATE_DQ=True, TMA_REDUCE=True, INTERPRET=False)
     pointers = {n: ("*fp8e4nv" if n in ("q_ptr", "qt_ptr", "k_ptr", "kt_ptr", "v_ptr", "do_ptr", "dot_ptr")
                     else "*bf16" if n in ("dk_ptr", "dv_ptr") else "*i32" if n.startswith("offsets") else "*fp32")
                 for n in names if n.endswith("_ptr")}
-    pointers["softmax_scale"] = "fp32"
+    pointers.update(softmax_scale="fp32", dq_desc="tensordesc<fp32[64,128]>")
     ptx = compile_ptx("jagged_attn.kernels.hopper_bwd", "_dkdv_kernel", _signature(names, pointers, constexprs),
                       constexprs, arch=90, num_warps=8)
     assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
+    assert "cp.reduce.async.bulk.tensor" in ptx  # dQ tiles added by TMA
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -262,7 +263,8 @@ def test_gpu_timing():
                                                                          **config)),
             ("dK/dV kernel, no dQ", lambda: hopper_bwd._launch_dkdv(prep, dq_accum, dk, dv, accumulate_dq=False,
                                                                    **config)),
-            ("dQ kernel", lambda: hopper_bwd._launch_dq(prep, dk.new_empty(q.shape), **config)),
+            ("dQ kernel (deterministic path)", lambda: hopper_bwd._launch_dq(prep, dk.new_empty(q.shape),
+                                                                           **dict(config, **hopper_bwd.GPU_DQ_TILES))),
         ]
         for name, fn in parts:
             rows.append((f"  part causal={causal:d}: {name}", bench(fn), 0.0))
@@ -272,9 +274,10 @@ def test_gpu_timing():
 
 
 TIMING_CONFIGS = [  # the default first
-    dict(block_m=64, block_n=128, precise_scores=False, num_warps=8, num_stages=3),
-    dict(block_m=64, block_n=128, precise_scores=False, num_warps=8, num_stages=2),
-    dict(block_m=64, block_n=128, precise_scores=True, num_warps=8, num_stages=3),
+    dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=True, num_warps=8, num_stages=3),
+    dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=False, num_warps=8, num_stages=3),
+    dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=True, num_warps=8, num_stages=2),
+    dict(block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8, num_stages=3),
 ]
 
 
