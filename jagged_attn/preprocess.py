@@ -31,6 +31,7 @@ from .serialization import SINGLE_ENTRY_NAME, Entry, MXFP8FileWriter, read_heade
 
 # One chunk holds about this many values (its fp32/fp64 working copies are a few hundred MB).
 DEFAULT_CHUNK_VALUES = 1 << 24
+COMPILE_MIN_VALUES = 1 << 22  # below this, compiling the quantizer costs more than it saves
 INDEX_KEYS = ("offsets", "lengths")
 _PROGRESS_INTERVAL_S = 0.5
 
@@ -178,6 +179,7 @@ def preprocess_file(
     heads: int | None = None,
     chunk_tokens: int | None = None,
     progress: bool = True,
+    compile: bool | None = None,
 ) -> dict:
     """Quantize the jagged tensor in ``input_path`` to MXFP8 and write it to ``output_path``.
 
@@ -190,6 +192,9 @@ def preprocess_file(
         heads: split ``values [total, H * D]`` into ``H`` heads.
         chunk_tokens: tokens per chunk (default: about 16M values per chunk).
         progress: print a progress line with tokens/s on stderr.
+        compile: quantize through ``torch.compile`` (bit-identical, several times faster; the
+            first chunk pays a few seconds of compilation). Default: only for inputs of more than
+            ``COMPILE_MIN_VALUES`` values.
 
     Returns:
         Statistics: sequences, tokens, heads, head_dim, axis, rounding, chunks, input/output bytes,
@@ -205,6 +210,8 @@ def preprocess_file(
     total, batch = shape[0], offsets.numel() - 1
     row_values = shape[1] * (shape[2] if len(shape) == 3 else 1)
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_VALUES // row_values)
+    if compile is None:
+        compile = total * row_values > COMPILE_MIN_VALUES
     axes = AXES if axis == "both" else (axis,)
     names = {ax: (ax if axis == "both" else SINGLE_ENTRY_NAME) for ax in axes}
     entries = {ax: Entry(names[ax], ax, rounding, shape, source.offsets.dtype, batch + 1) for ax in axes}
@@ -221,9 +228,10 @@ def preprocess_file(
             values = source.rows(row_start, row_stop)
             chunk_offsets = offsets[first : end + 1] - row_start
             for ax, entry in entries.items():
-                local = quantize_mxfp8(values, chunk_offsets, axis=ax, rounding=rounding)
+                local = quantize_mxfp8(values, chunk_offsets, axis=ax, rounding=rounding, compile=compile)
                 writer.write_data(entry.name, local.data, row_start)
-                writer.write_scale_tiles(entry.name, *_global_scale_tiles(local, entry, chunk_offsets, first, end, offsets))
+                tiles = _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets)
+                writer.write_scale_tiles(entry.name, *tiles)
             chunks += 1
             report.update(row_stop, row_stop * row_bytes)
         checksum = writer.close()

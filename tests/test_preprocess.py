@@ -177,3 +177,14 @@ def test_inspect_reports_the_numbers(tmp_path):
     data[-1] ^= 0x40
     (tmp_path / "out").write_bytes(bytes(data))
     assert "MISMATCH" in inspect_file(tmp_path / "out")
+
+
+@pytest.mark.parametrize("axis", ["feature", "sequence"])
+def test_compiled_quantizer_is_bit_identical(tmp_path, axis):
+    """The torch.compile path that large inputs take writes exactly the bytes of the eager path."""
+    values = torch.randn(700, 2, 64, dtype=torch.bfloat16) * torch.exp2(torch.randint(-8, 8, (700, 1, 1))).bfloat16()
+    offsets = torch.tensor([0, 1, 129, 129, 700])
+    save_file({"values": values, "offsets": offsets}, tmp_path / "in.st")
+    for compile in (False, True):
+        preprocess_file(tmp_path / "in.st", tmp_path / f"{compile}.st", axis=axis, compile=compile, progress=False)
+    assert (tmp_path / "False.st").read_bytes() == (tmp_path / "True.st").read_bytes()
