@@ -278,6 +278,7 @@ TIMING_CONFIGS = [  # the default first
     dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=False, num_warps=8, num_stages=3),
     dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=True, num_warps=8, num_stages=2),
     dict(block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8, num_stages=3),
+    dict(block_m=64, block_n=64, precise_scores=False, tma_reduce=True, num_warps=4, num_stages=2),
 ]
 
 
