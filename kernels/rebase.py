@@ -110,7 +110,7 @@ def rebased_feature_rows(
         blocks = tl.arange(0, D // 32)
         where = layout.scale_byte_offset(padded_rows[:, None], blocks[None, :], n_col_tiles)
         in_seq = (rows < length)[:, None]
-        byte = tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
+        byte = tl.load(scales + head.to(tl.int64) * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
     group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
     rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
@@ -138,7 +138,7 @@ def _rebase_feature_kernel(
     element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
     tl.store(dst + element, rebased, mask=(rows < length)[:, None])
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
-    tl.store(factor + head * n_groups + groups, exp2_int(group_byte - 127))
+    tl.store(factor + head.to(tl.int64) * n_groups + groups, exp2_int(group_byte - 127))
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, sca
     column = (layout.padded_seq_start(start, seq) + first_row) // 32 + blocks
     where = layout.scale_byte_offset(tl.arange(0, D)[None, :], column[:, None], n_col_tiles)
     in_seq = (first_row + blocks * 32 < length)[:, None]
-    return tl.load(scales + head * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
+    return tl.load(scales + head.to(tl.int64) * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
 
 
 @triton.jit

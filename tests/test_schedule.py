@@ -51,3 +51,13 @@ def test_work_list_empty_batch_and_all_empty_sequences():
     zeros = torch.zeros(4, dtype=torch.int32)
     table = work_list(zeros, zeros, 0, 128, causal=False)
     assert table.shape == (3, 2) and bool((table == EMPTY_SLOT).all())
+
+
+def test_work_list_hundred_thousand_sequences():
+    lengths = torch.randint(0, 4, (100_000,))
+    offsets = offsets_from_lengths(lengths).to(torch.int32)
+    total = int(lengths.sum())
+    table = work_list(offsets, offsets, total, 128, causal=True)
+    used = table[:, 0] != EMPTY_SLOT
+    assert int(used.sum()) == int((lengths > 0).sum())
+    assert bool((lengths[table[used, 0].long()] > 0).all()) and bool((table[used, 1] == 0).all())
