@@ -33,8 +33,8 @@ Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, t
 :func:`_quantize_kernel`; for dO the second pass emits both layouts, Delta and the LSE in log2
 units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
 head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
-dV in registers and, by default, adding dQ into an fp32 buffer with atomics); and for
-``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
+dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
+and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jagged_attn.mx_format import E4M3_MAX, P_STATIC_EXP
 from jagged_attn.offsets import padded_total
-
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import fp8
 from .layout import padded_seq_start, rceil_scale_byte
@@ -166,8 +165,9 @@ def _quantize_kernel(
     FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
     stored transposed; with NORMALIZE_TOKENS each token is first divided by its own head_dim
-    scale (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where
-    LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key).
+    scale (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
+    ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
+    no key).
     """
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x, natural, seq_start, rows, in_seq = _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS, HEAD_DIM, TILE)
