@@ -2,8 +2,9 @@
 
 It is the oracle every kernel is tested against, so it is written for obviousness, one sequence
 at a time. Inputs are the dequantized MXFP8 operands (exact float32 values); S and the softmax run
-in ``compute_dtype`` (float32, or float64 for tests); P is cast to e4m3 on the static 2^8 scale
-while the row sum uses the unquantized P (DESIGN.md section 3). ``fp8=False`` turns every
+in ``compute_dtype`` (float32, or float64 for tests); P = exp2(s - ceil(rowmax)) is cast to e4m3 on the
+static 2^8 scale while the row sum uses the unquantized P (DESIGN.md section 3; the integer row
+max is our refinement, see ``_softmax_parts``). ``fp8=False`` turns every
 quantization off, giving exact attention (used to gradcheck the backward formulas).
 """
 
@@ -45,10 +46,16 @@ def _reduce_kv(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
 
 
 def _softmax_parts(q, k, mask, softmax_scale):
-    """Scores in log2 units, row max (0 where no key is visible) and unquantized P = exp2(s - max)."""
+    """Scores in log2 units, the row max rounded up to an integer (0 where no key is visible), and
+    unquantized P = exp2(s - max) in (1/2, 1] at its largest.
+
+    Rounding the max up to an integer makes every rescale in an online softmax an exact power of
+    two, which commutes with the e4m3 cast of P: a one-pass kernel that meets the keys in any order
+    then rounds P exactly as this two-pass definition does.
+    """
     s2 = torch.einsum("qhd,khd->hqk", q, k) * (softmax_scale * LOG2E)
     s2 = s2.masked_fill(~mask, -math.inf)
-    m2 = s2.amax(-1, keepdim=True)
+    m2 = torch.ceil(s2.amax(-1, keepdim=True))
     m2 = torch.where(torch.isfinite(m2), m2, torch.zeros_like(m2))
     return s2, m2, torch.exp2(s2 - m2)
 

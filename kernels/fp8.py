@@ -9,7 +9,7 @@ exact integer / fp32 arithmetic; the cast of a representable value is then exact
 import triton
 import triton.language as tl
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+from .interpreter import INTERPRETED  # noqa: F401  (launchers pass it as the INTERPRET constexpr)
 
 E4M3_MIN_NORMAL = 0.015625  # 2^-6
 E4M3_SUBNORMAL_STEPS = 512.0  # 1 / 2^-9, the subnormal quantum

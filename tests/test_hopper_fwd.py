@@ -3,12 +3,11 @@
 CPU runs use the Triton interpreter on tiny ragged shapes; ``gpu`` tests run the issue's
 accuracy criteria on an sm_90 GPU.
 
-The kernel rounds its running row maximum up to an integer, so rescaling earlier tiles by
-``2^(m_old - m_new)`` never changes how their P was rounded to e4m3: its result equals P quantized
-once against the final row maximum rounded up, independent of the tile order. The ``reference``
-fixture makes ``reference_forward`` use that same row maximum (a no-op once the reference rounds it
-up itself); without it, P alone would differ by e4m3 rounding noise, ~2.5e-2 relative L2 on
-Gaussian inputs, which would hide real bugs.
+The kernel rounds its running row maximum up to an integer, as the reference does, so rescaling
+earlier tiles by ``2^(m_old - m_new)`` never changes how their P was rounded to e4m3: its result
+equals the reference's P, quantized once against the final row maximum rounded up, whatever the
+tile order. (With the exact maximum, P alone would differ from a one-pass kernel by e4m3 rounding
+noise, ~2.5e-2 relative L2 on Gaussian inputs, which would hide real bugs.)
 """
 
 from __future__ import annotations
@@ -21,26 +20,12 @@ import torch
 from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels import hopper_fwd, rebase
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, sequence_ids
-from tests.compile_util import compile_ptx
+from compile_util import compile_ptx
 
 O_TOLERANCE = 1e-2  # relative L2 of O against the reference on the same MXFP8 inputs
 LSE_TOLERANCE = 1e-3  # absolute
 COSINE_SLACK = 1e-4  # our cosine vs fp64 may trail the reference's by this much
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture
-def spec_reference(monkeypatch):
-    """``reference_forward`` with the row maximum of P rounded up to an integer (see module doc)."""
-    softmax_parts = reference._softmax_parts
-
-    def rounded_max_parts(q, k, mask, softmax_scale):
-        s2, m2, _ = softmax_parts(q, k, mask, softmax_scale)
-        m2 = torch.ceil(m2)
-        return s2, m2, torch.exp2(s2 - m2)
-
-    monkeypatch.setattr(reference, "_softmax_parts", rounded_max_parts)
-    return reference.reference_forward
 
 
 @pytest.fixture
@@ -134,13 +119,13 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", CPU_CASES)
-def test_forward_matches_reference(spec_reference, poisoned, len_q, len_k, heads_q, heads_kv, dim, causal):
+def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, dim, causal):
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = 0.7 / math.sqrt(dim)
     out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
     assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == q.shape[:2]
-    ref_out, ref_lse = spec_reference(mq.dequantize(), mk.dequantize(), mv.dequantize(), offsets_q, offsets_k,
+    ref_out, ref_lse = reference.reference_forward(mq.dequantize(), mk.dequantize(), mv.dequantize(), offsets_q, offsets_k,
                                       causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
     check_against_reference(out, lse, ref_out, ref_lse)
 
@@ -202,12 +187,12 @@ HARDWARE_COSINE_SLACK = 1e-3
 FP8_SCORE_PRECISION = 2.0**-9  # LSE error allowed per unit of the row's largest possible |score|
 
 
-def _gpu_run(spec_reference, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
+def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim, kind)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = 1 / math.sqrt(dim)
     out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
-    ref_out, ref_lse = spec_reference(mq.dequantize(), mk.dequantize(), mv.dequantize(), offsets_q, offsets_k,
+    ref_out, ref_lse = reference.reference_forward(mq.dequantize(), mk.dequantize(), mv.dequantize(), offsets_q, offsets_k,
                                       causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
     exact_out, _ = reference.reference_forward(q.double(), k.double(), v.double(), offsets_q, offsets_k,
                                                causal=causal, softmax_scale=scale, compute_dtype=torch.float64,
@@ -223,9 +208,9 @@ def _gpu_run(spec_reference, kind, len_q, len_k, heads_q, heads_kv, dim, causal)
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
-def test_gpu_accuracy_issue_criteria(spec_reference, poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
+def test_gpu_accuracy_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     """The issue's bar: O within 1e-2 of the reference, cosine vs fp64 within 1e-4 of its, LSE 1e-3."""
-    out, lse, ref_out, ref_lse, exact_out, _ = _gpu_run(spec_reference, kind, len_q, len_k, heads_q, heads_kv, dim, causal)
+    out, lse, ref_out, ref_lse, exact_out, _ = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal)
     check_against_reference(out, lse, ref_out, ref_lse)
     assert cosine(out, exact_out) >= cosine(ref_out, exact_out) - COSINE_SLACK
 
@@ -233,10 +218,10 @@ def test_gpu_accuracy_issue_criteria(spec_reference, poisoned, kind, len_q, len_
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gaussian", "outlier_channel", "heavy_tailed", "peaked"])
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES[:2])
-def test_gpu_accuracy_hardware_bounds(spec_reference, poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
+def test_gpu_accuracy_hardware_bounds(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     """Bounds every input must meet on Hopper: catches indexing, masking and scaling bugs."""
     out, lse, ref_out, ref_lse, exact_out, (q, k, offsets_q, offsets_k, scale) = _gpu_run(
-        spec_reference, kind, len_q, len_k, heads_q, heads_kv, dim, causal)
+        kind, len_q, len_k, heads_q, heads_kv, dim, causal)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert relative_l2(out, ref_out) <= HARDWARE_O_TOLERANCE
     assert cosine(out, exact_out) >= cosine(ref_out, exact_out) - HARDWARE_COSINE_SLACK

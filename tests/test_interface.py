@@ -5,7 +5,7 @@ import torch
 
 import jagged_attn as ja
 from jagged_attn import backends
-from jagged_attn.metrics import relative_l2
+from jagged_attn.metrics import cosine, relative_l2
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.reference import reference_backward, reference_forward
 
@@ -162,6 +162,6 @@ def test_nested_tensors_in_and_out_match_sdpa(heads_first):
     ref = F.scaled_dot_product_attention(*sdpa_in)
     ref_values = ref.transpose(1, 2).values()  # SDPA works in [B, H, j, D]
     ours = (out.transpose(1, 2) if heads_first else out).values()
-    assert relative_l2(ours, ref_values) < 5e-2
+    assert relative_l2(ours, ref_values) < 8e-2 and cosine(ours, ref_values) > 0.995
     with pytest.raises(ValueError, match="carries its own offsets"):
         ja.jagged_attention(nq, nk, nv, oq)
