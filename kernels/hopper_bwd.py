@@ -455,7 +455,8 @@ def _dq_kernel(
                 total_k, padded_k, causal_shift, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
                 SCORE_ACC_STEP, INTERPRET,
             )
-    dq_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels) * (_byte_to_scale(ds_byte) * softmax_scale)
+    k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)
+    dq_scale = k_channel_scale * (_byte_to_scale(ds_byte) * softmax_scale)
     dq = dq_acc * dq_scale[None, :] * _inverse(q_scale)[:, None]
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
 
