@@ -99,6 +99,15 @@ def test_matches_reference(case, deterministic):
         assert rel_l2(g, e) < REL_L2_VS_REFERENCE, f"{name}: rel-L2 {rel_l2(g, e):.3e}"
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("lengths", [([0, 0], [5, 3]), ([4, 2], [0, 0])], ids=["no-queries", "no-keys"])
+def test_empty_side_gives_zero_gradients(lengths, deterministic):
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(*lengths, 2, 2, 64)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    for g in run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, False, 0.125, deterministic):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
 def test_deterministic_is_bit_identical_and_public_entry_point():
     q, k, v, dout, offsets_q, offsets_k = make_inputs([50, 7], [20, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, True, 0.125)
