@@ -266,10 +266,13 @@ def inspect_file(path) -> str:
     """
     contents = read_header(path)
     actual = contents.actual_checksum()
-    status = "OK" if actual == contents.stored_checksum else f"MISMATCH (contents hash to {actual}): the file is corrupted"
+    status = (
+        "OK" if actual == contents.stored_checksum else f"MISMATCH (contents hash to {actual}): the file is corrupted"
+    )
     size = os.path.getsize(contents.path)
     lines = [
-        f"{contents.path}: jagged_attn.mxfp8 format version {contents.metadata['format_version']}, {contents.structure}",
+        f"{contents.path}: jagged_attn.mxfp8 format version {contents.metadata['format_version']}, "
+        f"{contents.structure}",
         f"  file bytes: {size:,}",
         f"  checksum: {contents.stored_checksum} {status}",
     ]

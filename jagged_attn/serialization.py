@@ -151,12 +151,16 @@ class MXFP8FileWriter:
         :func:`token_tile_dim` has ``n`` tiles.
         """
         entry = self._entries[name]
-        self._write(f"{name}.scales", tiles.view(torch.uint8), start, token_tile_dim(entry.axis), entry.scale_tiles_shape())
+        self._write(
+            f"{name}.scales", tiles.view(torch.uint8), start, token_tile_dim(entry.axis), entry.scale_tiles_shape()
+        )
 
     def _write(self, key, block, start, dim, shape):
         expected = (*shape[:dim], block.shape[dim], *shape[dim + 1 :])
         if tuple(block.shape) != expected or start + block.shape[dim] > shape[dim]:
-            raise ValueError(f"{key}: block of shape {tuple(block.shape)} at {start} does not fit {tuple(shape)} along dim {dim}")
+            raise ValueError(
+                f"{key}: block of shape {tuple(block.shape)} at {start} does not fit {tuple(shape)} along dim {dim}"
+            )
         if _FILE_DTYPES.get(block.dtype) != self._specs[key][0]:
             raise TypeError(f"{key}: block of dtype {block.dtype} for a {self._specs[key][0]} tensor")
         leading = _prod(shape[:dim])
@@ -267,7 +271,9 @@ def read_header(path) -> FileHeader:
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             metadata = file.metadata() or {}
-            found = {key: (file.get_slice(key).get_dtype(), tuple(file.get_slice(key).get_shape())) for key in file.keys()}
+            found = {
+                key: (file.get_slice(key).get_dtype(), tuple(file.get_slice(key).get_shape())) for key in file.keys()
+            }
         header_bytes, regions = _raw_regions(path)
     except Exception as error:  # safetensors reports a broken file with its own exception class
         raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupted?): {error}") from error
@@ -278,13 +284,17 @@ def read_header(path) -> FileHeader:
         raise _bad_file(path, f"bad format_version {version!r}")
     if int(version) not in READABLE_VERSIONS:
         advice = "; it was written by a newer jagged_attn: upgrade to read it" if int(version) > FORMAT_VERSION else ""
-        raise _bad_file(path, f"format version {version} is not readable by this jagged_attn (it reads {READABLE_VERSIONS}){advice}")
+        raise _bad_file(
+            path, f"format version {version} is not readable by this jagged_attn (it reads {READABLE_VERSIONS}){advice}"
+        )
     stored_checksum = metadata.get("checksum", "")
     if not stored_checksum.startswith(_CHECKSUM_PREFIX):
         raise _bad_file(path, f"missing or malformed checksum {stored_checksum!r}")
     structure = metadata.get("structure")
     entries = _parse_entries(metadata.get("entries"), found, path)
-    if structure not in ("single", "dict") or (structure == "single" and [e.name for e in entries] != [SINGLE_ENTRY_NAME]):
+    if structure not in ("single", "dict") or (
+        structure == "single" and [e.name for e in entries] != [SINGLE_ENTRY_NAME]
+    ):
         raise _bad_file(path, f"bad structure {structure!r} for entries {[e.name for e in entries]}")
     specs = {key: spec for entry in entries for key, spec in entry.tensor_specs().items()}
     if specs.keys() != found.keys():
@@ -308,14 +318,22 @@ def load(path, device="cpu"):
     contents = read_header(path)
     actual = contents.actual_checksum()
     if actual != contents.stored_checksum:
-        raise _bad_file(contents.path, f"checksum mismatch: the file says {contents.stored_checksum}, its contents hash to {actual}")
+        raise _bad_file(
+            contents.path, f"checksum mismatch: the file says {contents.stored_checksum}, its contents hash to {actual}"
+        )
     loaded = {}
     for entry in contents.entries:
         tensors = {field: contents.read_tensor(f"{entry.name}.{field}") for field in ("offsets", "data", "scales")}
         if bool((tensors["scales"] == _NAN_SCALE_BYTE).any()):
             raise _bad_file(contents.path, f"entry {entry.name!r} has NaN (0xFF) scale bytes")
         try:
-            mx = MXFP8Jagged(tensors["data"], tensors["scales"].view(torch.float8_e8m0fnu), tensors["offsets"], entry.axis, entry.rounding)
+            mx = MXFP8Jagged(
+                tensors["data"],
+                tensors["scales"].view(torch.float8_e8m0fnu),
+                tensors["offsets"],
+                entry.axis,
+                entry.rounding,
+            )
         except (TypeError, ValueError) as error:
             raise ValueError(f"{contents.path}: entry {entry.name!r} is inconsistent: {error}") from error
         loaded[entry.name] = mx.to(device)
@@ -338,10 +356,18 @@ def _parse_entries(text, found, path) -> list[Entry]:
                 raise _bad_file(path, f"entry {name!r} has a bad shape {list(shape)}")
             offsets_dtype, offsets_shape = found.get(f"{name}.offsets", (None, ()))
             if offsets_dtype not in _OFFSETS_DTYPES or len(offsets_shape) != 1 or offsets_shape[0] < 1:
-                raise _bad_file(path, f"entry {name!r}: offsets tensor is {offsets_dtype} {list(offsets_shape)}, expected 1-D int32/int64")
+                raise _bad_file(
+                    path,
+                    f"entry {name!r}: offsets tensor is {offsets_dtype} {list(offsets_shape)}, "
+                    "expected 1-D int32/int64",
+                )
             entry = Entry(name, axis, rounding, shape, _OFFSETS_DTYPES[offsets_dtype], offsets_shape[0])
             if list(entry.scale_matrix_shape()) != item.get("scale_matrix"):
-                raise _bad_file(path, f"entry {name!r}: scale matrix {item.get('scale_matrix')} does not match {entry.scale_matrix_shape()}")
+                raise _bad_file(
+                    path,
+                    f"entry {name!r}: scale matrix {item.get('scale_matrix')} does not match "
+                    f"{entry.scale_matrix_shape()}",
+                )
             entries.append(entry)
     except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as error:
         raise _bad_file(path, f"malformed entries metadata: {error!r}")

@@ -11,8 +11,8 @@ The arithmetic is the reference backend's (``jagged_attn.reference``), so that t
 difference is the fp32 accumulation order:
 
 * P = exp2(s - ceil(rowmax)) uses the *final* row max rounded up to an integer, as the reference,
-  so the forward makes two passes over the keys (row max, then P, row sum and P V); P is cast to e4m3 as P * 2^8 with the static scale byte
-  127 - 8, the row sum uses the unquantized P.
+  so the forward makes two passes over the keys (row max, then P, row sum and P V); P is cast to
+  e4m3 as P * 2^8 with the static scale byte 127 - 8, the row sum uses the unquantized P.
 * The backward recomputes P = exp(S - LSE); dS = P * (dP - Delta) is quantized with one scale per
   32 x 32 tile, replicated over the tile's 32 rows because ``dot_scaled`` takes one scale per
   (row, 32-wide K block); the same bytes serve dS (for dQ) and dS^T (for dK).
@@ -141,10 +141,29 @@ def scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2):
 
 @triton.jit
 def forward_kernel(
-    q_ptr, q_scales, k_ptr, k_scales, v_ptr, v_scales, out_ptr, lse_ptr, offsets_q, offsets_k,
-    q_head_bytes, k_head_bytes, v_head_bytes, v_col_tiles, qk_scale_log2,
-    heads_q, heads_kv, D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    q_ptr,
+    q_scales,
+    k_ptr,
+    k_scales,
+    v_ptr,
+    v_scales,
+    out_ptr,
+    lse_ptr,
+    offsets_q,
+    offsets_k,
+    q_head_bytes,
+    k_head_bytes,
+    v_head_bytes,
+    v_col_tiles,
+    qk_scale_log2,
+    heads_q,
+    heads_kv,
+    D: tl.constexpr,
+    FEATURE_COL_TILES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -194,15 +213,32 @@ def forward_kernel(
     lse = tl.where(seen, (row_max + tl.log2(row_sum)) * LN2, float("-inf"))
     channels = tl.arange(0, D)
     token = q_start + rows
-    tl.store(out_ptr + (token[:, None] * heads_q + head) * D + channels[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < len_q)
+    tl.store(
+        out_ptr + (token[:, None] * heads_q + head) * D + channels[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=rows[:, None] < len_q,
+    )
     tl.store(lse_ptr + token * heads_q + head, lse, mask=rows < len_q)
 
 
 @triton.jit
-def score_gradients(s_lhs, s_lhs_scale, s_rhs, s_rhs_scale, dp_lhs, dp_lhs_scale, dp_rhs, dp_rhs_scale,
-                    lse, delta, mask, qk_scale_log2, ROWS: tl.constexpr, COLS: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+def score_gradients(
+    s_lhs,
+    s_lhs_scale,
+    s_rhs,
+    s_rhs_scale,
+    dp_lhs,
+    dp_lhs_scale,
+    dp_rhs,
+    dp_rhs_scale,
+    lse,
+    delta,
+    mask,
+    qk_scale_log2,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """P = exp(S - LSE) (fp32) and dS = P * (dP - Delta) as e4m3 with one rceil byte per 32 x 32 tile.
 
     Either orientation: S = s_lhs s_rhs^T and dP = dp_lhs dp_rhs^T are (Q K^T, dO V^T) for query-major
@@ -217,8 +253,23 @@ def score_gradients(s_lhs, s_lhs_scale, s_rhs, s_rhs_scale, dp_lhs, dp_lhs_scale
 
 
 @triton.jit
-def load_query_rows(q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_start, q_padded, rows, len_q, head,
-                    heads_q, head_bytes, D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr):
+def load_query_rows(
+    q_ptr,
+    q_scales,
+    do_ptr,
+    do_scales,
+    lse_ptr,
+    delta_ptr,
+    q_start,
+    q_padded,
+    rows,
+    len_q,
+    head,
+    heads_q,
+    head_bytes,
+    D: tl.constexpr,
+    FEATURE_COL_TILES: tl.constexpr,
+):
     """Q and dO rows with their head_dim-axis scales, LSE and Delta, for one query head."""
     q = load_tokens(q_ptr, q_start, rows, len_q, head, heads_q, D)
     q_scale = feature_scales(q_scales + head * head_bytes, q_padded, rows, D, FEATURE_COL_TILES)
@@ -230,8 +281,21 @@ def load_query_rows(q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_st
 
 
 @triton.jit
-def load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len_k, kv_head, heads_kv, head_bytes,
-                  D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr):
+def load_key_rows(
+    k_ptr,
+    k_scales,
+    v_ptr,
+    v_scales,
+    k_start,
+    k_padded,
+    cols,
+    len_k,
+    kv_head,
+    heads_kv,
+    head_bytes,
+    D: tl.constexpr,
+    FEATURE_COL_TILES: tl.constexpr,
+):
     """K and V rows with their head_dim-axis scales, for one KV head."""
     k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
     k_scale = feature_scales(k_scales + kv_head * head_bytes, k_padded, cols, D, FEATURE_COL_TILES)
@@ -242,11 +306,37 @@ def load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len
 
 @triton.jit
 def dkdv_kernel(
-    q_ptr, q_scales, q_seq_ptr, q_seq_scales, do_ptr, do_scales, do_seq_ptr, do_seq_scales,
-    k_ptr, k_scales, v_ptr, v_scales, lse_ptr, delta_ptr, dk_ptr, dv_ptr, offsets_q, offsets_k,
-    q_feature_head_bytes, q_sequence_head_bytes, k_feature_head_bytes, q_col_tiles, softmax_scale, heads_q, heads_kv,
-    D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    q_ptr,
+    q_scales,
+    q_seq_ptr,
+    q_seq_scales,
+    do_ptr,
+    do_scales,
+    do_seq_ptr,
+    do_seq_scales,
+    k_ptr,
+    k_scales,
+    v_ptr,
+    v_scales,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    offsets_q,
+    offsets_k,
+    q_feature_head_bytes,
+    q_sequence_head_bytes,
+    k_feature_head_bytes,
+    q_col_tiles,
+    softmax_scale,
+    heads_q,
+    heads_kv,
+    D: tl.constexpr,
+    FEATURE_COL_TILES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (key tile, sequence, KV head): dK, dV ``[BLOCK_N, D]`` summed over the head's query-head group.
 
@@ -266,8 +356,21 @@ def dkdv_kernel(
 
     first_key = tile * BLOCK_N
     cols = first_key + tl.arange(0, BLOCK_N)
-    k, k_scale, v, v_scale = load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len_k, kv_head,
-                                           heads_kv, k_feature_head_bytes, D, FEATURE_COL_TILES)
+    k, k_scale, v, v_scale = load_key_rows(
+        k_ptr,
+        k_scales,
+        v_ptr,
+        v_scales,
+        k_start,
+        k_padded,
+        cols,
+        len_k,
+        kv_head,
+        heads_kv,
+        k_feature_head_bytes,
+        D,
+        FEATURE_COL_TILES,
+    )
 
     first_query = 0
     if CAUSAL:  # the first query that sees key `first_key`, rounded down to a tile
@@ -279,22 +382,51 @@ def dkdv_kernel(
         for first_row in range(first_query, len_q, BLOCK_M):
             rows = first_row + tl.arange(0, BLOCK_M)
             q, q_scale, do, do_scale, lse, delta = load_query_rows(
-                q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_start, q_padded, rows, len_q, head, heads_q,
-                q_feature_head_bytes, D, FEATURE_COL_TILES)
+                q_ptr,
+                q_scales,
+                do_ptr,
+                do_scales,
+                lse_ptr,
+                delta_ptr,
+                q_start,
+                q_padded,
+                rows,
+                len_q,
+                head,
+                heads_q,
+                q_feature_head_bytes,
+                D,
+                FEATURE_COL_TILES,
+            )
             p_t, ds8_t, ds_t_bytes = score_gradients(
-                k, k_scale, q, q_scale, v, v_scale, do, do_scale, lse[None, :], delta[None, :],
-                visible(rows[None, :], cols[:, None], len_q, len_k, CAUSAL), softmax_scale * LOG2E,
-                BLOCK_N, BLOCK_M, INTERPRET)
+                k,
+                k_scale,
+                q,
+                q_scale,
+                v,
+                v_scale,
+                do,
+                do_scale,
+                lse[None, :],
+                delta[None, :],
+                visible(rows[None, :], cols[:, None], len_q, len_k, CAUSAL),
+                softmax_scale * LOG2E,
+                BLOCK_N,
+                BLOCK_M,
+                INTERPRET,
+            )
 
             do_seq = load_tokens(do_seq_ptr, q_start, rows, len_q, head, heads_q, D)
-            do_seq_scale = sequence_scales(do_seq_scales + head * q_sequence_head_bytes, q_padded, first_row,
-                                           q_col_tiles, D, BLOCK_M)
+            do_seq_scale = sequence_scales(
+                do_seq_scales + head * q_sequence_head_bytes, q_padded, first_row, q_col_tiles, D, BLOCK_M
+            )
             p8_t = fp8.to_e4m3(p_t * P_STATIC_SCALE, INTERPRET)
             dv = tl.dot_scaled(p8_t, p_scale, "e4m3", do_seq, do_seq_scale, "e4m3", dv)
 
             q_seq = load_tokens(q_seq_ptr, q_start, rows, len_q, head, heads_q, D)
-            q_seq_scale = sequence_scales(q_seq_scales + head * q_sequence_head_bytes, q_padded, first_row,
-                                          q_col_tiles, D, BLOCK_M)
+            q_seq_scale = sequence_scales(
+                q_seq_scales + head * q_sequence_head_bytes, q_padded, first_row, q_col_tiles, D, BLOCK_M
+            )
             ds_t_scale = per_row(ds_t_bytes, BLOCK_N, BLOCK_M // MX_BLOCK)
             dk = tl.dot_scaled(ds8_t, ds_t_scale, "e4m3", q_seq, q_seq_scale, "e4m3", dk)
 
@@ -305,11 +437,34 @@ def dkdv_kernel(
 
 @triton.jit
 def dq_kernel(
-    q_ptr, q_scales, do_ptr, do_scales, k_ptr, k_scales, v_ptr, v_scales, k_seq_ptr, k_seq_scales,
-    lse_ptr, delta_ptr, dq_ptr, offsets_q, offsets_k,
-    q_feature_head_bytes, k_feature_head_bytes, k_sequence_head_bytes, k_col_tiles, softmax_scale, heads_q, heads_kv,
-    D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    q_ptr,
+    q_scales,
+    do_ptr,
+    do_scales,
+    k_ptr,
+    k_scales,
+    v_ptr,
+    v_scales,
+    k_seq_ptr,
+    k_seq_scales,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    offsets_q,
+    offsets_k,
+    q_feature_head_bytes,
+    k_feature_head_bytes,
+    k_sequence_head_bytes,
+    k_col_tiles,
+    softmax_scale,
+    heads_q,
+    heads_kv,
+    D: tl.constexpr,
+    FEATURE_COL_TILES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (query tile, sequence, query head): dQ = dS K ``[BLOCK_M, D]`` (K on the sequence axis).
 
@@ -326,25 +481,68 @@ def dq_kernel(
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q, q_scale, do, do_scale, lse, delta = load_query_rows(
-        q_ptr, q_scales, do_ptr, do_scales, lse_ptr, delta_ptr, q_start, q_padded, rows, len_q, head, heads_q,
-        q_feature_head_bytes, D, FEATURE_COL_TILES)
+        q_ptr,
+        q_scales,
+        do_ptr,
+        do_scales,
+        lse_ptr,
+        delta_ptr,
+        q_start,
+        q_padded,
+        rows,
+        len_q,
+        head,
+        heads_q,
+        q_feature_head_bytes,
+        D,
+        FEATURE_COL_TILES,
+    )
 
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     for first_key in range(0, visible_keys_end(tile, len_q, len_k, CAUSAL, BLOCK_M), BLOCK_N):
         cols = first_key + tl.arange(0, BLOCK_N)
-        k, k_scale, v, v_scale = load_key_rows(k_ptr, k_scales, v_ptr, v_scales, k_start, k_padded, cols, len_k,
-                                               kv_head, heads_kv, k_feature_head_bytes, D, FEATURE_COL_TILES)
+        k, k_scale, v, v_scale = load_key_rows(
+            k_ptr,
+            k_scales,
+            v_ptr,
+            v_scales,
+            k_start,
+            k_padded,
+            cols,
+            len_k,
+            kv_head,
+            heads_kv,
+            k_feature_head_bytes,
+            D,
+            FEATURE_COL_TILES,
+        )
         _, ds8, ds_bytes = score_gradients(
-            q, q_scale, k, k_scale, do, do_scale, v, v_scale, lse[:, None], delta[:, None],
-            visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), softmax_scale * LOG2E,
-            BLOCK_M, BLOCK_N, INTERPRET)
+            q,
+            q_scale,
+            k,
+            k_scale,
+            do,
+            do_scale,
+            v,
+            v_scale,
+            lse[:, None],
+            delta[:, None],
+            visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL),
+            softmax_scale * LOG2E,
+            BLOCK_M,
+            BLOCK_N,
+            INTERPRET,
+        )
         k_seq = load_tokens(k_seq_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
         k_seq_scale = sequence_scales(k_seq_scales, k_padded, first_key, k_col_tiles, D, BLOCK_N)
         ds_scale = per_row(ds_bytes, BLOCK_M, BLOCK_N // MX_BLOCK)
         dq = tl.dot_scaled(ds8, ds_scale, "e4m3", k_seq, k_seq_scale, "e4m3", dq)
 
-    tl.store(dq_ptr + ((q_start + rows[:, None]) * heads_q + head) * D + tl.arange(0, D)[None, :],
-             (dq * softmax_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < len_q)
+    tl.store(
+        dq_ptr + ((q_start + rows[:, None]) * heads_q + head) * D + tl.arange(0, D)[None, :],
+        (dq * softmax_scale).to(dq_ptr.dtype.element_ty),
+        mask=rows[:, None] < len_q,
+    )
 
 
 def _check_heads(heads_q: int, heads_kv: int, head_dim: int) -> None:
@@ -358,8 +556,10 @@ def _check_axis(mx: MXFP8Jagged, axis: str, name: str) -> None:
     if not isinstance(mx, MXFP8Jagged):
         raise TypeError(f"{name} must be an MXFP8Jagged, got {type(mx).__name__}")
     if mx.axis != axis or mx.data.dim() != 3:
-        raise ValueError(f"{name} must be [total, heads, D] quantized along {axis!r}, got axis {mx.axis!r}, "
-                         f"shape {tuple(mx.data.shape)}")
+        raise ValueError(
+            f"{name} must be [total, heads, D] quantized along {axis!r}, got axis {mx.axis!r}, "
+            f"shape {tuple(mx.data.shape)}"
+        )
 
 
 def _scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
@@ -377,16 +577,24 @@ def _sequence_col_tiles(mx: MXFP8Jagged) -> int:
 
 def _launch_meta(head_dim: int, causal: bool) -> dict:
     """Compile-time parameters and launch options shared by the kernels (all but BLOCK_M)."""
-    return dict(D=head_dim, FEATURE_COL_TILES=_feature_col_tiles(head_dim), CAUSAL=causal, BLOCK_N=BLOCK_N,
-                INTERPRET=fp8.INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return dict(
+        D=head_dim,
+        FEATURE_COL_TILES=_feature_col_tiles(head_dim),
+        CAUSAL=causal,
+        BLOCK_N=BLOCK_N,
+        INTERPRET=fp8.INTERPRETED,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
 
 
 def _max_length(offsets: torch.Tensor) -> int:
     return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
 
 
-def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float,
-                      out_dtype=torch.bfloat16):
+def attention_forward(
+    q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16
+):
     """Jagged MXFP8 attention forward with ``tl.dot_scaled``.
 
     q, k: quantized along ``"feature"``; v: along ``"sequence"`` (``quantize_mxfp8``); offsets in
@@ -412,9 +620,25 @@ def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal:
         return out, lse
     q_scales, k_scales, v_scales = _scale_bytes(q), _scale_bytes(k), _scale_bytes(v)
     forward_kernel[grid](
-        q.data, q_scales, k.data, k_scales, v.data, v_scales, out, lse, q.offsets, k.offsets,
-        q_scales.stride(0), k_scales.stride(0), v_scales.stride(0), _sequence_col_tiles(v),
-        softmax_scale * LOG2E.value, heads_q, heads_kv, BLOCK_M=BLOCK_M, **_launch_meta(head_dim, causal),
+        q.data,
+        q_scales,
+        k.data,
+        k_scales,
+        v.data,
+        v_scales,
+        out,
+        lse,
+        q.offsets,
+        k.offsets,
+        q_scales.stride(0),
+        k_scales.stride(0),
+        v_scales.stride(0),
+        _sequence_col_tiles(v),
+        softmax_scale * LOG2E.value,
+        heads_q,
+        heads_kv,
+        BLOCK_M=BLOCK_M,
+        **_launch_meta(head_dim, causal),
     )
     return out, lse
 
@@ -441,26 +665,77 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     batch = offsets_q.numel() - 1
-    scales = {name: _scale_bytes(mx) for name, mx in [("q", q_feature), ("q_seq", q_sequence), ("do", do_feature),
-                                                       ("do_seq", do_sequence), ("k", k_feature),
-                                                       ("k_seq", k_sequence), ("v", v_feature)]}
+    scales = {
+        name: _scale_bytes(mx)
+        for name, mx in [
+            ("q", q_feature),
+            ("q_seq", q_sequence),
+            ("do", do_feature),
+            ("do_seq", do_sequence),
+            ("k", k_feature),
+            ("k_seq", k_sequence),
+            ("v", v_feature),
+        ]
+    }
     lse = lse.contiguous()
     meta = _launch_meta(head_dim, causal)
     dkdv_grid = (triton.cdiv(_max_length(offsets_k), BLOCK_N), batch, heads_kv)
     if 0 not in dkdv_grid:
         dkdv_kernel[dkdv_grid](
-            q_feature.data, scales["q"], q_sequence.data, scales["q_seq"], do_feature.data, scales["do"],
-            do_sequence.data, scales["do_seq"], k_feature.data, scales["k"], v_feature.data, scales["v"],
-            lse, delta, dk, dv, offsets_q, offsets_k, scales["q"].stride(0), scales["q_seq"].stride(0),
-            scales["k"].stride(0), _sequence_col_tiles(q_sequence), softmax_scale, heads_q, heads_kv,
-            BLOCK_M=DKDV_BLOCK_M, **meta,
+            q_feature.data,
+            scales["q"],
+            q_sequence.data,
+            scales["q_seq"],
+            do_feature.data,
+            scales["do"],
+            do_sequence.data,
+            scales["do_seq"],
+            k_feature.data,
+            scales["k"],
+            v_feature.data,
+            scales["v"],
+            lse,
+            delta,
+            dk,
+            dv,
+            offsets_q,
+            offsets_k,
+            scales["q"].stride(0),
+            scales["q_seq"].stride(0),
+            scales["k"].stride(0),
+            _sequence_col_tiles(q_sequence),
+            softmax_scale,
+            heads_q,
+            heads_kv,
+            BLOCK_M=DKDV_BLOCK_M,
+            **meta,
         )
     dq_grid = (triton.cdiv(_max_length(offsets_q), BLOCK_M), batch, heads_q)
     if 0 not in dq_grid:
         dq_kernel[dq_grid](
-            q_feature.data, scales["q"], do_feature.data, scales["do"], k_feature.data, scales["k"],
-            v_feature.data, scales["v"], k_sequence.data, scales["k_seq"], lse, delta, dq, offsets_q, offsets_k,
-            scales["q"].stride(0), scales["k"].stride(0), scales["k_seq"].stride(0), _sequence_col_tiles(k_sequence),
-            softmax_scale, heads_q, heads_kv, BLOCK_M=BLOCK_M, **meta,
+            q_feature.data,
+            scales["q"],
+            do_feature.data,
+            scales["do"],
+            k_feature.data,
+            scales["k"],
+            v_feature.data,
+            scales["v"],
+            k_sequence.data,
+            scales["k_seq"],
+            lse,
+            delta,
+            dq,
+            offsets_q,
+            offsets_k,
+            scales["q"].stride(0),
+            scales["k"].stride(0),
+            scales["k_seq"].stride(0),
+            _sequence_col_tiles(k_sequence),
+            softmax_scale,
+            heads_q,
+            heads_kv,
+            BLOCK_M=BLOCK_M,
+            **meta,
         )
     return dq, dk, dv

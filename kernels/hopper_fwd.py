@@ -1,11 +1,11 @@
 """Varlen MXFP8 attention forward for Hopper (sm_90): FP8 wgmma on rebased operands.
 
 Hopper's FP8 MMA has no block scales, so the operands are rebased (``rebase.py``): Q to one
-exponent per token (by each program, on its own Q tile), K to one per KV tile, V to one per (sequence, head, channel), stored
-transposed so both wgmma operands are K-major. Those factors leave the MMAs: Q's per-row and K's
-per-tile factors fold into the softmax scale of each row, V's scale each output channel in the
-epilogue. (A per-key factor would cost a broadcast column vector, ~32 registers per thread, and
-spilled at 128x128 tiles.)
+exponent per token (by each program, on its own Q tile), K to one per KV tile, V to one per
+(sequence, head, channel), stored transposed so both wgmma operands are K-major. Those factors
+leave the MMAs: Q's per-row and K's per-tile factors fold into the softmax scale of each row,
+V's scale each output channel in the epilogue. (A per-key factor would cost a broadcast column
+vector, ~32 registers per thread, and spilled at 128x128 tiles.)
 
 The softmax runs online in the exp2 domain with the running row maximum rounded up to an
 integer. P = ``exp2(s - m + 8)`` lies in (0, 256] and is cast to e4m3 on that static 2^8 scale
@@ -31,8 +31,14 @@ from jagged_attn.mxfp8 import MXFP8Jagged
 
 from . import fp8, layout
 from .rebase import (
-    exp2_int, quantize_rebase_feature, quantize_rebase_sequence, rebase_feature, rebase_sequence, rebased_feature_rows,
-    scale_args, sequence_span,
+    exp2_int,
+    quantize_rebase_feature,
+    quantize_rebase_sequence,
+    rebase_feature,
+    rebase_sequence,
+    rebased_feature_rows,
+    scale_args,
+    sequence_span,
 )
 from .schedule import work_list
 
@@ -50,8 +56,20 @@ def tile_config(head_dim: int) -> dict:
 
 @triton.jit
 def _attend_tiles(
-    acc, row_sum, row_max, q, row_scale, last_col, k_block, vt_block, k_tile_factor, col_begin, col_end,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    acc,
+    row_sum,
+    row_max,
+    q,
+    row_scale,
+    last_col,
+    k_block,
+    vt_block,
+    k_tile_factor,
+    col_begin,
+    col_end,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i]."""
     k_block = tl.advance(k_block, (col_begin, 0))
@@ -87,12 +105,32 @@ def _attend_tiles(
 
 @triton.jit
 def _attention_forward_kernel(
-    q, q_scales, k, k_factor, vt, v_exponent, out, lse,
-    offsets_q, offsets_k, work,
-    scale_log2, q_scale_bytes_per_head, q_col_tiles, k_groups, t_pad, batch,
-    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    Q_FROM_HIGH_PRECISION: tl.constexpr, Q_FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+    q,
+    q_scales,
+    k,
+    k_factor,
+    vt,
+    v_exponent,
+    out,
+    lse,
+    offsets_q,
+    offsets_k,
+    work,
+    scale_log2,
+    q_scale_bytes_per_head,
+    q_col_tiles,
+    k_groups,
+    t_pad,
+    batch,
+    HEADS_Q: tl.constexpr,
+    HEADS_KV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    Q_FROM_HIGH_PRECISION: tl.constexpr,
+    Q_FLOOR: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0) // HEADS_Q
     head = tl.program_id(0) % HEADS_Q
@@ -108,17 +146,39 @@ def _attention_forward_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     in_seq = rows < len_q
     q_tile, q_byte = rebased_feature_rows(
-        q, q_scales, head, seq, q_start, len_q, rows, q_scale_bytes_per_head, q_col_tiles,
-        HEADS_Q, D, BLOCK_M, 1, Q_FROM_HIGH_PRECISION, Q_FLOOR, INTERPRET,
+        q,
+        q_scales,
+        head,
+        seq,
+        q_start,
+        len_q,
+        rows,
+        q_scale_bytes_per_head,
+        q_col_tiles,
+        HEADS_Q,
+        D,
+        BLOCK_M,
+        1,
+        Q_FROM_HIGH_PRECISION,
+        Q_FLOOR,
+        INTERPRET,
     )
     row_scale = exp2_int(q_byte - 127) * scale_log2
     k_block = tl.make_block_ptr(
-        k + k_start * (HEADS_KV * D) + kv_head * D, shape=(len_k, D), strides=(HEADS_KV * D, 1),
-        offsets=(0, 0), block_shape=(BLOCK_N, D), order=(1, 0),
+        k + k_start * (HEADS_KV * D) + kv_head * D,
+        shape=(len_k, D),
+        strides=(HEADS_KV * D, 1),
+        offsets=(0, 0),
+        block_shape=(BLOCK_N, D),
+        order=(1, 0),
     )
     vt_block = tl.make_block_ptr(
-        vt + kv_head * D * t_pad + layout.padded_seq_start(k_start, seq), shape=(D, len_k), strides=(t_pad, 1),
-        offsets=(0, 0), block_shape=(D, BLOCK_N), order=(1, 0),
+        vt + kv_head * D * t_pad + layout.padded_seq_start(k_start, seq),
+        shape=(D, len_k),
+        strides=(t_pad, 1),
+        offsets=(0, 0),
+        block_shape=(D, BLOCK_N),
+        order=(1, 0),
     )
     k_tile_factor = k_factor + kv_head * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
 
@@ -139,12 +199,36 @@ def _attention_forward_kernel(
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     row_max = tl.full((BLOCK_M,), FINITE_FLOOR, dtype=tl.float32)
     acc, row_sum, row_max = _attend_tiles(
-        acc, row_sum, row_max, q_tile, row_scale, last_col, k_block, vt_block, k_tile_factor,
-        0, unmasked_end, BLOCK_N, False, INTERPRET,
+        acc,
+        row_sum,
+        row_max,
+        q_tile,
+        row_scale,
+        last_col,
+        k_block,
+        vt_block,
+        k_tile_factor,
+        0,
+        unmasked_end,
+        BLOCK_N,
+        False,
+        INTERPRET,
     )
     acc, row_sum, row_max = _attend_tiles(
-        acc, row_sum, row_max, q_tile, row_scale, last_col, k_block, vt_block, k_tile_factor,
-        unmasked_end, col_end, BLOCK_N, True, INTERPRET,
+        acc,
+        row_sum,
+        row_max,
+        q_tile,
+        row_scale,
+        last_col,
+        k_block,
+        vt_block,
+        k_tile_factor,
+        unmasked_end,
+        col_end,
+        BLOCK_N,
+        True,
+        INTERPRET,
     )
 
     channels = tl.arange(0, D)
@@ -153,14 +237,31 @@ def _attention_forward_kernel(
     inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)
     o = acc * inverse_sum[:, None] * v_factor[None, :]
     tokens = q_start + rows
-    tl.store(out + (tokens * HEADS_Q + head)[:, None] * D + channels[None, :], o.to(out.dtype.element_ty),
-             mask=in_seq[:, None])
+    tl.store(
+        out + (tokens * HEADS_Q + head)[:, None] * D + channels[None, :],
+        o.to(out.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
     log_sum = (row_max - P_STATIC_EXP + tl.log2(tl.where(seen, row_sum, 1.0))) * LN2
     tl.store(lse + tokens * HEADS_Q + head, tl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 
-def _forward(q, q_mx, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale, out_dtype,
-             rounding="rceil", config=None):
+def _forward(
+    q,
+    q_mx,
+    k8,
+    k_factor,
+    vt,
+    v_exponent,
+    offsets_q,
+    offsets_k,
+    *,
+    causal,
+    softmax_scale,
+    out_dtype,
+    rounding="rceil",
+    config=None,
+):
     """The kernel on rebased K, V and on Q as it comes: ``q`` is the e4m3 data of ``q_mx`` or, with
     ``q_mx=None``, high-precision values; the kernel quantizes (by ``rounding``) and rebases its own
     Q tile. ``config`` (default ``tile_config``) must have the BLOCK_N that K was rebased with."""
@@ -173,16 +274,38 @@ def _forward(q, q_mx, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, *, cau
     work = work_list(offsets_q, offsets_k, total_q, config["BLOCK_M"], causal=causal)
     if work.shape[0]:
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
-            q, q_scales, k8, k_factor, vt, v_exponent, out, lse, offsets_q, offsets_k, work,
-            softmax_scale * LOG2E, q_per_head, q_col_tiles, k_factor.shape[1], vt.shape[2], offsets_q.numel() - 1,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, Q_FROM_HIGH_PRECISION=q_mx is None,
-            Q_FLOOR=rounding == "floor", INTERPRET=fp8.INTERPRETED, **config,
+            q,
+            q_scales,
+            k8,
+            k_factor,
+            vt,
+            v_exponent,
+            out,
+            lse,
+            offsets_q,
+            offsets_k,
+            work,
+            softmax_scale * LOG2E,
+            q_per_head,
+            q_col_tiles,
+            k_factor.shape[1],
+            vt.shape[2],
+            offsets_q.numel() - 1,
+            HEADS_Q=heads_q,
+            HEADS_KV=heads_kv,
+            D=dim,
+            CAUSAL=causal,
+            Q_FROM_HIGH_PRECISION=q_mx is None,
+            Q_FLOOR=rounding == "floor",
+            INTERPRET=fp8.INTERPRETED,
+            **config,
         )
     return out, lse
 
 
-def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float,
-                      out_dtype=torch.bfloat16):
+def attention_forward(
+    q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16
+):
     """Jagged attention of MXFP8 inputs (validated by the caller).
 
     q, k: feature-axis ``MXFP8Jagged`` (``[total_q, Hq, D]``, ``[total_k, Hkv, D]``); v: sequence-axis,
@@ -192,8 +315,19 @@ def attention_forward(q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal:
     """
     k8, k_factor = rebase_feature(k, group=tile_config(k.head_dim)["BLOCK_N"])
     vt, v_exponent = rebase_sequence(v)
-    return _forward(q.data, q, k8, k_factor, vt, v_exponent, q.offsets, k.offsets, causal=causal,
-                    softmax_scale=softmax_scale, out_dtype=out_dtype)
+    return _forward(
+        q.data,
+        q,
+        k8,
+        k_factor,
+        vt,
+        v_exponent,
+        q.offsets,
+        k.offsets,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        out_dtype=out_dtype,
+    )
 
 
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None):
@@ -201,5 +335,16 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
     k8, k_factor = quantize_rebase_feature(k, offsets_k, group=tile_config(k.shape[-1])["BLOCK_N"])
     vt, v_exponent = quantize_rebase_sequence(v, offsets_k)
-    return _forward(q, None, k8, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
-                    softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype)
+    return _forward(
+        q,
+        None,
+        k8,
+        k_factor,
+        vt,
+        v_exponent,
+        offsets_q,
+        offsets_k,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        out_dtype=q.dtype if out_dtype is None else out_dtype,
+    )

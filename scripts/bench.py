@@ -60,17 +60,20 @@ def visible_pairs(len_q, len_k, causal):
     if not causal:
         return int((len_q * len_k).sum())
     # query i sees keys j <= i + Lk - Lq (bottom-right aligned)
-    return sum(sum(max(0, min(lk, i + 1 + lk - lq)) for i in range(lq)) for lq, lk in
-               zip(len_q.tolist(), len_k.tolist()))
+    return sum(
+        sum(max(0, min(lk, i + 1 + lk - lq)) for i in range(lq)) for lq, lk in zip(len_q.tolist(), len_k.tolist())
+    )
 
 
 def median_ms(fn):
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
 
 
 def offsets_of(lengths, device):
     from jagged_attn.offsets import offsets_from_lengths
+
     return offsets_from_lengths(lengths).to(device=device, dtype=torch.int32)
 
 
@@ -86,7 +89,7 @@ class Workload:
         self.k = torch.randn(total_k, heads, dim, device=device, dtype=torch.bfloat16)
         self.v = torch.randn(total_k, heads, dim, device=device, dtype=torch.bfloat16)
         self.dout = torch.randn_like(self.q)
-        self.scale = dim ** -0.5
+        self.scale = dim**-0.5
         self.flops = 4.0 * visible_pairs(self.len_q, self.len_k, causal) * dim * heads
 
     def tflops(self, ms, backward=False):
@@ -102,6 +105,7 @@ def backward_ms(forward, inputs, dout):
 
 # ---- ours -------------------------------------------------------------------------------------
 
+
 def ours(w: Workload, backward: bool, sweep_configs=()):
     from jagged_attn import quantize_mxfp8
     from jagged_attn.kernels import hopper_fwd, rebase
@@ -113,14 +117,19 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
     results = {"ours mxfp8": median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, **forward))}
     block_n = hopper_fwd.tile_config(w.dim)["BLOCK_N"]
     for label, config in [("ours kernel", hopper_fwd.tile_config(w.dim))] + [
-            (f"cfg {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s", c) for c in sweep_configs]:
+        (f"cfg {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s", c) for c in sweep_configs
+    ]:
         rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"]), *rebase.rebase_sequence(mv))
-        results[label] = median_ms(lambda: hopper_fwd._forward(
-            mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward))
+        results[label] = median_ms(
+            lambda: hopper_fwd._forward(
+                mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward
+            )
+        )
     results["rebase ms: k"] = median_ms(lambda: rebase.rebase_feature(mk, group=block_n))
     results["rebase ms: v"] = median_ms(lambda: rebase.rebase_sequence(mv))
-    results["ours bf16 in"] = median_ms(lambda: hopper_fwd.attention_forward_hp(
-        w.q, w.k, w.v, w.offsets_q, w.offsets_k, **forward))
+    results["ours bf16 in"] = median_ms(
+        lambda: hopper_fwd.attention_forward_hp(w.q, w.k, w.v, w.offsets_q, w.offsets_k, **forward)
+    )
     if backward:
         results.update(ours_backward(w, mq, mk, mv))
     return results
@@ -133,14 +142,20 @@ def ours_backward(w: Workload, mq, mk, mv):
         print(f"no backward of ours: {error}")
         return {}
     from jagged_attn.kernels import hopper_fwd
-    out, lse = hopper_fwd.attention_forward_hp(w.q, w.k, w.v, w.offsets_q, w.offsets_k, causal=w.causal,
-                                               softmax_scale=w.scale)
-    ms = median_ms(lambda: hopper_bwd.attention_backward(
-        w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale))
+
+    out, lse = hopper_fwd.attention_forward_hp(
+        w.q, w.k, w.v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale
+    )
+    ms = median_ms(
+        lambda: hopper_bwd.attention_backward(
+            w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale
+        )
+    )
     return {"ours bwd": ms}
 
 
 # ---- peers ------------------------------------------------------------------------------------
+
 
 def varlen_fa2(w: Workload, backward: bool):
     from torch.nn.attention.varlen import varlen_attn
@@ -212,6 +227,7 @@ def flex_doc_mask(w: Workload, backward: bool):
 
 # ---- ceilings ---------------------------------------------------------------------------------
 
+
 def ceilings():
     """The copy bandwidth (TB/s, read + write) and 8192^3 GEMM rates (TFLOP/s) of this GPU now."""
     n = 8192
@@ -224,9 +240,12 @@ def ceilings():
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
     fp8_ms = median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
-    flops = 2.0 * n ** 3
-    return {"copy TB/s": 2 * src.numel() * 4 / copy_ms / 1e9, "cublas bf16 TFLOP/s": flops / bf16_ms / 1e9,
-            "cublas fp8 TFLOP/s": flops / fp8_ms / 1e9}
+    flops = 2.0 * n**3
+    return {
+        "copy TB/s": 2 * src.numel() * 4 / copy_ms / 1e9,
+        "cublas bf16 TFLOP/s": flops / bf16_ms / 1e9,
+        "cublas fp8 TFLOP/s": flops / fp8_ms / 1e9,
+    }
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -234,8 +253,10 @@ def ceilings():
 FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "varlen_attn", "cudnn sdpa", "flex"]
 BACKWARD_COLUMNS = ["ours bwd", "varlen_attn bwd", "cudnn sdpa bwd", "flex bwd"]
 BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
-SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-         for m, n, w, s in ((128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3))]
+SWEEP = [
+    dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+    for m, n, w, s in ((128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3))
+]
 
 
 def table(rows, columns, ours_column, peer_columns):
@@ -253,6 +274,7 @@ def table(rows, columns, ours_column, peer_columns):
 def plot(rows, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -274,8 +296,15 @@ def plot(rows, path):
 
 def git_version():
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -308,17 +337,30 @@ def main():
                 try:
                     measured.update(runner(w, args.backward))
                 except Exception as error:  # a peer missing on this torch must not stop the run
-                    print(f"{name} d{dim} {getattr(runner, '__name__', 'ours')} failed: {type(error).__name__}: {error}")
+                    print(
+                        f"{name} d{dim} {getattr(runner, '__name__', 'ours')} failed: {type(error).__name__}: {error}"
+                    )
             tflops = {k: w.tflops(ms, backward=k.endswith("bwd")) for k, ms in measured.items() if " ms" not in k}
-            rows.append(dict(workload=name, head_dim=dim, heads=heads, causal=causal, flops=w.flops, ms=measured,
-                             tflops=tflops))
-            print(f"{name} d{dim}: " + ", ".join(f"{k} {v:.0f}" for k, v in tflops.items()) + "; " +
-                  ", ".join(f"{k} {v:.3f}" for k, v in measured.items() if " ms" in k), flush=True)
+            rows.append(
+                dict(workload=name, head_dim=dim, heads=heads, causal=causal, flops=w.flops, ms=measured, tflops=tflops)
+            )
+            print(
+                f"{name} d{dim}: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in tflops.items())
+                + "; "
+                + ", ".join(f"{k} {v:.3f}" for k, v in measured.items() if " ms" in k),
+                flush=True,
+            )
             del w
             torch.cuda.empty_cache()
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  version=git_version(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  ceilings=ceilings(), rows=rows)
+    result = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        version=git_version(),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        ceilings=ceilings(),
+        rows=rows,
+    )
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(rows, os.path.join(args.out, "bench.png"))

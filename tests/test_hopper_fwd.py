@@ -67,8 +67,11 @@ def make_inputs(len_q, len_k, heads_q, heads_kv, dim, kind="gaussian", dtype=tor
 
 
 def quantized(q, k, v, offsets_q, offsets_k, rounding="rceil"):
-    return (quantize_mxfp8(q, offsets_q, rounding=rounding), quantize_mxfp8(k, offsets_k, rounding=rounding),
-            quantize_mxfp8(v, offsets_k, axis="sequence", rounding=rounding))
+    return (
+        quantize_mxfp8(q, offsets_q, rounding=rounding),
+        quantize_mxfp8(k, offsets_k, rounding=rounding),
+        quantize_mxfp8(v, offsets_k, axis="sequence", rounding=rounding),
+    )
 
 
 def check_against_reference(out, lse, ref_out, ref_lse):
@@ -125,8 +128,16 @@ def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, di
     scale = 0.7 / math.sqrt(dim)
     out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
     assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == q.shape[:2]
-    ref_out, ref_lse = reference.reference_forward(mq.dequantize(), mk.dequantize(), mv.dequantize(), offsets_q, offsets_k,
-                                      causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
+    ref_out, ref_lse = reference.reference_forward(
+        mq.dequantize(),
+        mk.dequantize(),
+        mv.dequantize(),
+        offsets_q,
+        offsets_k,
+        causal=causal,
+        softmax_scale=scale,
+        compute_dtype=torch.float64,
+    )
     check_against_reference(out, lse, ref_out, ref_lse)
 
 
@@ -134,18 +145,39 @@ def test_forward_high_precision_equals_quantize_then_forward(poisoned):
     q, k, v, offsets_q, offsets_k = make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64, dtype=torch.bfloat16)
     out, lse = hopper_fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=True, softmax_scale=0.125)
     assert out.dtype == torch.bfloat16
-    mx_out, mx_lse = hopper_fwd.attention_forward(*quantized(q, k, v, offsets_q, offsets_k), causal=True,
-                                                  softmax_scale=0.125)
+    mx_out, mx_lse = hopper_fwd.attention_forward(
+        *quantized(q, k, v, offsets_q, offsets_k), causal=True, softmax_scale=0.125
+    )
     assert torch.equal(out, mx_out) and torch.equal(lse, mx_lse)
 
 
 def _kernel_signature(out_type):
-    pointers = dict(q="*fp8e4nv", q_scales="*u8", k="*fp8e4nv", k_factor="*fp32", vt="*fp8e4nv",
-                    v_exponent="*u8", out=out_type, lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32")
-    scalars = dict(scale_log2="fp32", q_scale_bytes_per_head="i32", q_col_tiles="i32", k_groups="i32", t_pad="i32",
-                   batch="i32")
-    constexprs = dict(HEADS_Q=16, HEADS_KV=4, D=128, CAUSAL=True, Q_FROM_HIGH_PRECISION=False, Q_FLOOR=False,
-                      INTERPRET=False, **_tiles(128))
+    pointers = dict(
+        q="*fp8e4nv",
+        q_scales="*u8",
+        k="*fp8e4nv",
+        k_factor="*fp32",
+        vt="*fp8e4nv",
+        v_exponent="*u8",
+        out=out_type,
+        lse="*fp32",
+        offsets_q="*i32",
+        offsets_k="*i32",
+        work="*i32",
+    )
+    scalars = dict(
+        scale_log2="fp32", q_scale_bytes_per_head="i32", q_col_tiles="i32", k_groups="i32", t_pad="i32", batch="i32"
+    )
+    constexprs = dict(
+        HEADS_Q=16,
+        HEADS_KV=4,
+        D=128,
+        CAUSAL=True,
+        Q_FROM_HIGH_PRECISION=False,
+        Q_FLOOR=False,
+        INTERPRET=False,
+        **_tiles(128),
+    )
     return {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}, constexprs
 
 
@@ -157,8 +189,15 @@ def _tiles(dim):
 def test_compiles_to_fp8_wgmma_for_sm90():
     signature, constexprs = _kernel_signature("*bf16")
     config = hopper_fwd.tile_config(128)
-    ptx = compile_ptx("jagged_attn.kernels.hopper_fwd", "_attention_forward_kernel", signature, constexprs,
-                      arch=90, num_warps=config["num_warps"], num_stages=config["num_stages"])
+    ptx = compile_ptx(
+        "jagged_attn.kernels.hopper_fwd",
+        "_attention_forward_kernel",
+        signature,
+        constexprs,
+        arch=90,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert wgmma and all("e4m3.e4m3" in line for line in wgmma)
 
@@ -192,16 +231,34 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = 1 / math.sqrt(dim)
     out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
-    ref_out, ref_lse = reference.reference_forward(mq.dequantize(), mk.dequantize(), mv.dequantize(), offsets_q, offsets_k,
-                                      causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
-    exact_out, _ = reference.reference_forward(q.double(), k.double(), v.double(), offsets_q, offsets_k,
-                                               causal=causal, softmax_scale=scale, compute_dtype=torch.float64,
-                                               fp8=False)
+    ref_out, ref_lse = reference.reference_forward(
+        mq.dequantize(),
+        mk.dequantize(),
+        mv.dequantize(),
+        offsets_q,
+        offsets_k,
+        causal=causal,
+        softmax_scale=scale,
+        compute_dtype=torch.float64,
+    )
+    exact_out, _ = reference.reference_forward(
+        q.double(),
+        k.double(),
+        v.double(),
+        offsets_q,
+        offsets_k,
+        causal=causal,
+        softmax_scale=scale,
+        compute_dtype=torch.float64,
+        fp8=False,
+    )
     finite = torch.isfinite(ref_lse)
     lse_error = float((lse[finite].double() - ref_lse[finite]).abs().amax()) if finite.any() else 0.0
-    print(f"{kind} d{dim} causal={causal}: O rel-L2 vs reference {relative_l2(out, ref_out):.2e}, vs fp64 "
-          f"{relative_l2(out, exact_out):.3e} (reference {relative_l2(ref_out, exact_out):.3e}); cosine "
-          f"{cosine(out, exact_out):.6f} (reference {cosine(ref_out, exact_out):.6f}); LSE error {lse_error:.1e}")
+    print(
+        f"{kind} d{dim} causal={causal}: O rel-L2 vs reference {relative_l2(out, ref_out):.2e}, vs fp64 "
+        f"{relative_l2(out, exact_out):.3e} (reference {relative_l2(ref_out, exact_out):.3e}); cosine "
+        f"{cosine(out, exact_out):.6f} (reference {cosine(ref_out, exact_out):.6f}); LSE error {lse_error:.1e}"
+    )
     return out, lse, ref_out, ref_lse, exact_out, (mq.dequantize(), mk.dequantize(), offsets_q, offsets_k, scale)
 
 
@@ -221,7 +278,8 @@ def test_gpu_accuracy_issue_criteria(poisoned, kind, len_q, len_k, heads_q, head
 def test_gpu_accuracy_hardware_bounds(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     """Bounds every input must meet on Hopper: catches indexing, masking and scaling bugs."""
     out, lse, ref_out, ref_lse, exact_out, (q, k, offsets_q, offsets_k, scale) = _gpu_run(
-        kind, len_q, len_k, heads_q, heads_kv, dim, causal)
+        kind, len_q, len_k, heads_q, heads_kv, dim, causal
+    )
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert relative_l2(out, ref_out) <= HARDWARE_O_TOLERANCE
     assert cosine(out, exact_out) >= cosine(ref_out, exact_out) - HARDWARE_COSINE_SLACK

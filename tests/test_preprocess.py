@@ -37,8 +37,12 @@ def test_chunked_equals_whole_tensor(tmp_path, axis, rounding, chunk_tokens):
     values = ragged_values(EDGE_LENGTHS)
     save_file({"values": values, "offsets": offsets}, tmp_path / "in.safetensors")
     stats = preprocess_file(
-        tmp_path / "in.safetensors", tmp_path / "out.safetensors", axis=axis, rounding=rounding,
-        chunk_tokens=chunk_tokens, progress=False,
+        tmp_path / "in.safetensors",
+        tmp_path / "out.safetensors",
+        axis=axis,
+        rounding=rounding,
+        chunk_tokens=chunk_tokens,
+        progress=False,
     )
     want = expected_file(tmp_path / "want.safetensors", values, offsets, axis, rounding)
     assert (tmp_path / "out.safetensors").read_bytes() == want
@@ -57,8 +61,16 @@ def test_chunked_equals_whole_tensor_random(tmp_path_factory, lengths, chunk_tok
     offsets = offsets_from_lengths(torch.tensor(lengths))
     values = ragged_values(lengths, row_shape=(1, 32), dtype=torch.float32)
     save_file({"values": values, "offsets": offsets}, directory / "in.safetensors")
-    preprocess_file(directory / "in.safetensors", directory / "out.safetensors", axis=axis, chunk_tokens=chunk_tokens, progress=False)
-    assert (directory / "out.safetensors").read_bytes() == expected_file(directory / "want.safetensors", values, offsets, axis, "rceil")
+    preprocess_file(
+        directory / "in.safetensors",
+        directory / "out.safetensors",
+        axis=axis,
+        chunk_tokens=chunk_tokens,
+        progress=False,
+    )
+    assert (directory / "out.safetensors").read_bytes() == expected_file(
+        directory / "want.safetensors", values, offsets, axis, "rceil"
+    )
 
 
 def test_chunks_cover_whole_sequences():
@@ -106,7 +118,11 @@ def test_lengths_form_and_heads_reshape(tmp_path, container):
     "tensors, heads, message",
     [
         ({"values": torch.randn(10, 64)}, None, "exactly one of 'offsets' or 'lengths'"),
-        ({"values": torch.randn(10, 64), "offsets": torch.tensor([0, 10]), "lengths": torch.tensor([10])}, None, "exactly one"),
+        (
+            {"values": torch.randn(10, 64), "offsets": torch.tensor([0, 10]), "lengths": torch.tensor([10])},
+            None,
+            "exactly one",
+        ),
         ({"offsets": torch.tensor([0, 10])}, None, "no 'values'"),
         ({"values": torch.randn(10, 64), "offsets": torch.tensor([0, 9])}, None, "offsets\\[-1\\]"),
         ({"values": torch.randn(10, 64), "lengths": torch.tensor([4, 7])}, None, "offsets\\[-1\\]"),
@@ -114,7 +130,11 @@ def test_lengths_form_and_heads_reshape(tmp_path, container):
         ({"values": torch.randn(10, 48), "lengths": torch.tensor([10])}, None, "multiple of 32"),
         ({"values": torch.randn(10, 96), "lengths": torch.tensor([10])}, 5, "heads=5"),
         ({"values": torch.randn(10, 2, 64), "lengths": torch.tensor([10])}, 4, "heads=4"),
-        ({"values": torch.randn(10, 64).to(torch.int32), "lengths": torch.tensor([10])}, None, "float32, bfloat16 or float16"),
+        (
+            {"values": torch.randn(10, 64).to(torch.int32), "lengths": torch.tensor([10])},
+            None,
+            "float32, bfloat16 or float16",
+        ),
     ],
 )
 def test_bad_inputs_are_rejected(tmp_path, tensors, heads, message):

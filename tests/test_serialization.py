@@ -147,7 +147,9 @@ def test_fuzz_truncations_are_rejected(tmp_path):
     save(good, mx)
     original = good.read_bytes()
     bad = tmp_path / "bad.safetensors"
-    for size in [0, 1, 7, 8, 9, _payload_start(original), len(original) - 1] + torch.randint(0, len(original), (60,)).tolist():
+    for size in [0, 1, 7, 8, 9, _payload_start(original), len(original) - 1] + torch.randint(
+        0, len(original), (60,)
+    ).tolist():
         bad.write_bytes(original[:size])
         with pytest.raises(ValueError):
             load(bad)
@@ -192,7 +194,7 @@ def test_nan_scale_bytes_are_rejected(tmp_path):
 
 def _header_and_tensors(path):
     data = path.read_bytes()
-    header = json.loads(data[8:_payload_start(data)])
+    header = json.loads(data[8 : _payload_start(data)])
     return header["__metadata__"], load_file(path)
 
 
