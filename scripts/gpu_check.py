@@ -1,4 +1,4 @@
-"""One-call GPU check: install, GPU tests of the Hopper forward, then the benchmark.
+"""One-call GPU check: install, every GPU test, the demo on CUDA, then the benchmark.
 
     python3 scripts/gpu_check.py [--out DIR] [--bench-args ...]
 
@@ -36,7 +36,7 @@ def run(command, log_path, env=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-    parser.add_argument("--tests", nargs="*", default=["tests/test_hopper_fwd.py"])
+    parser.add_argument("--tests", nargs="*", default=["tests"])
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -47,12 +47,15 @@ def main():
         os.path.join(args.out, "gpu.log"))
     code, tests = run([python, "-m", "pytest", "-q", "-m", "gpu", "-s", "-rfE", *args.tests],
                       os.path.join(args.out, "pytest_gpu.log"))
+    demo_code, demo = run([python, "-m", "jagged_attn.cli", "demo", "--device", "cuda"],
+                          os.path.join(args.out, "demo.log"))
     bench_code, bench = run([python, "scripts/bench.py", "--out", os.path.join(args.out, "bench"), *args.bench_args],
                             os.path.join(args.out, "bench.log"))
     accuracy = [line for line in tests.splitlines() if "rel-L2" in line or "passed" in line or "FAILED" in line]
     print("\n".join(accuracy[-60:]))
+    print(demo)
     print(bench[bench.rfind("\n", 0, bench.find("ceilings:")) + 1:] if "ceilings:" in bench else bench[-6000:])
-    sys.exit(code or bench_code)
+    sys.exit(code or demo_code or bench_code)
 
 
 if __name__ == "__main__":
