@@ -80,12 +80,6 @@ def quantize_with_factors(x: torch.Tensor, factors: torch.Tensor) -> torch.Tenso
     return (x.to(torch.float32) * factors).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_blocks(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``[..., n_blocks, 32]`` blocks; returns (e4m3 data, int32 bytes ``[..., n_blocks]``)."""
-    byte = scale_bytes(x.abs().amax(-1), rounding)
-    return quantize_with_factors(x, scale_factors(byte).unsqueeze(-1)), byte
-
-
 def quantize_p(p: torch.Tensor) -> torch.Tensor:
     """P in [0, 1] -> the fp32 value its e4m3 copy (static scale 2^8) stands for."""
     return cast_e4m3(p * 2.0**P_STATIC_EXP).to(torch.float32) * 2.0**-P_STATIC_EXP

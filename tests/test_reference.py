@@ -24,11 +24,6 @@ def _inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, dtype=F64):
     return q, k, v, oq, ok
 
 
-def _assert_close(got, ref, tol):
-    assert torch.isfinite(got).all()
-    assert relative_l2(got, ref) < tol
-
-
 def _check_exact(lengths_q, lengths_k, heads_q, heads_kv, dim, causal, scale=None):
     """fp8=False in fp64 is exact attention: it must match the padded oracle to rounding, fwd + bwd."""
     q, k, v, oq, ok = _inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
