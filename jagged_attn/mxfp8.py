@@ -167,9 +167,22 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     if offsets.device != values.device:
         raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
     x = _as_3d(values)
-    quantize = _quantize_feature if axis == "feature" else _quantize_sequence
-    data, scales = quantize(x, offsets, rounding, compile)
+    if x.is_cuda and not values_unavailable(x):
+        data, scales = _quantize_with_kernel(x, offsets, axis, rounding)
+    else:
+        quantize = _quantize_feature if axis == "feature" else _quantize_sequence
+        data, scales = quantize(x, offsets, rounding, compile)
     return MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+
+
+def _quantize_with_kernel(x, offsets, axis, rounding):
+    """CUDA tensors: the fused one-pass Triton kernel (bit-identical to the torch reference below)."""
+    from .kernels.quantize import quantize_mxfp8_kernel  # imported here: the kernels import this module
+
+    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
+    ((data, scales),) = quantize_mxfp8_kernel(x, offsets, axes=(axis,), rounding=rounding, nonfinite=nonfinite)
+    check_finite(nonfinite, "values")
+    return data, scales
 
 
 def _feature_blocks(x, rounding: str):
