@@ -34,16 +34,13 @@ from jagged_attn.offsets import lengths_of
 from jagged_attn.scale_layout import TILE_COLS, num_tiles
 
 from . import fp8
-from .layout import padded_seq_start, rceil_scale_byte, scale_byte_offset
+from .layout import padded_seq_start, scale_byte_of_amax, scale_byte_offset, scale_factor
 
 MX_BLOCK = tl.constexpr(mx_format.BLOCK_SIZE)
-E4M3_MAX = tl.constexpr(mx_format.E4M3_MAX)
-E8M0_BIAS = tl.constexpr(mx_format.E8M0_BIAS)
 P_STATIC_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
 P_SCALE_BYTE = tl.constexpr(mx_format.E8M0_BIAS - mx_format.P_STATIC_EXP)
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 LN2 = tl.constexpr(math.log(2.0))
-FP32_MANTISSA_BITS = tl.constexpr(23)
 
 # sm_100's block-scaled MMA needs 128-row A tiles: every dot_scaled below has M = 128.
 BLOCK_M = 128
@@ -119,8 +116,8 @@ def quantize_square_tiles(x, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: 
     """fp32 ``[ROWS, COLS]`` -> (e4m3 values, int32 rceil scale byte per 32 x 32 tile ``[ROWS/32, COLS/32]``)."""
     tiles = tl.reshape(tl.abs(x), (ROWS // MX_BLOCK, MX_BLOCK, COLS // MX_BLOCK, MX_BLOCK))
     amax = tl.max(tl.max(tiles, axis=3), axis=1)
-    byte = rceil_scale_byte((amax / E4M3_MAX).to(tl.int32, bitcast=True))
-    inverse_scale = ((-byte + 2 * E8M0_BIAS) << FP32_MANTISSA_BITS).to(tl.float32, bitcast=True)  # 2^(127 - byte)
+    byte = scale_byte_of_amax(amax, False)
+    inverse_scale = scale_factor(byte)
     per_element = tl.broadcast_to(
         inverse_scale[:, None, :, None], (ROWS // MX_BLOCK, MX_BLOCK, COLS // MX_BLOCK, MX_BLOCK)
     )

@@ -46,15 +46,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jagged_attn.mx_format import E4M3_MAX, P_STATIC_EXP
+from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import padded_total
 
 from . import fp8
-from .layout import padded_seq_start, rceil_scale_byte
+from .layout import padded_seq_start, scale_byte_of_amax, scale_factor, scale_value
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
-E4M3_LIMIT = tl.constexpr(E4M3_MAX)
 SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
 SMALLEST_NORMAL = tl.constexpr(2.0**-126)
 PRODUCER_TILE = 128  # tokens per producer program
@@ -70,24 +69,6 @@ HEAD_DIMS = (64, 128)
 
 
 @triton.jit
-def _byte_to_scale(byte):
-    """fp32 ``2^(byte - 127)`` for E8M0 bytes in [1, 254] (0.0 for byte 0)."""
-    return (byte << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _byte_to_inverse_scale(byte):
-    """fp32 ``2^(127 - byte)``."""
-    return ((254 - byte) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scale_byte(amax):
-    """E8M0 byte (rceil rule, owned by ``mx_format``) for fp32 maxima ``amax``."""
-    return rceil_scale_byte((amax / E4M3_LIMIT).to(tl.int32, bitcast=True))
-
-
-@triton.jit
 def _inverse(scale):
     """``1 / scale`` for power-of-two scales (exact), 0 where the scale is 0 (an all-zero token)."""
     return tl.where(scale > 0, 1.0 / tl.maximum(scale, SMALLEST_NORMAL), 0.0)
@@ -100,9 +81,9 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
     Returns (e4m3 tile, the new running byte, ``2^(running_byte - new byte)``: the factor <= 1
     that brings an accumulator kept in units of the old running scale to the new one).
     """
-    byte = tl.maximum(_scale_byte(tl.max(tl.max(tl.abs(x), axis=1), axis=0)), running_byte)
-    rescale = _byte_to_scale(tl.maximum(running_byte - byte + 127, 0))
-    return fp8.to_e4m3(x * _byte_to_inverse_scale(byte), INTERPRET), byte, rescale
+    byte = tl.maximum(scale_byte_of_amax(tl.max(tl.max(tl.abs(x), axis=1), axis=0), False), running_byte)
+    rescale = scale_value(tl.maximum(running_byte - byte + 127, 0))
+    return fp8.to_e4m3(x * scale_factor(byte), INTERPRET), byte, rescale
 
 
 # ----------------------------------------------------------------------------- producer
@@ -124,14 +105,14 @@ def _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS: tl.constexpr, HEAD_DIM: tl
 @triton.jit
 def _token_scale_byte(x):
     """Per-row E8M0 byte of a ``[rows, D]`` tile: the head_dim-axis scale of each token."""
-    return _scale_byte(tl.max(tl.abs(x), axis=1))
+    return scale_byte_of_amax(tl.max(tl.abs(x), axis=1), False)
 
 
 @triton.jit
 def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
     """What the sequence-axis copy quantizes: ``x``, or ``x`` over each token's own scale."""
     if NORMALIZE_TOKENS:
-        x = x * _byte_to_inverse_scale(_token_scale_byte(x))[:, None]
+        x = x * scale_factor(_token_scale_byte(x))[:, None]
     return x
 
 
@@ -177,22 +158,22 @@ def _quantize_kernel(
     channels = tl.arange(0, HEAD_DIM)
     if FEATURE:
         byte = _token_scale_byte(x)
-        data = fp8.to_e4m3(x * _byte_to_inverse_scale(byte)[:, None], INTERPRET)
+        data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
         tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
-        tl.store(feature_scale_ptr + h * total + tokens, _byte_to_scale(byte), mask=in_seq)
+        tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
     if SEQUENCE:
         group = h // GROUP
         amax_bits = tl.zeros([HEAD_DIM], dtype=tl.int32)
         for j in tl.static_range(GROUP):
             head_amax = tl.load(amax_ptr + ((group * GROUP + j) * batch + b) * HEAD_DIM + channels)
             amax_bits = tl.maximum(amax_bits, head_amax)
-        byte = _scale_byte(amax_bits.to(tl.float32, bitcast=True))
+        byte = scale_byte_of_amax(amax_bits.to(tl.float32, bitcast=True), False)
         values = _sequence_axis_values(x, NORMALIZE_TOKENS)
-        data = fp8.to_e4m3(values * _byte_to_inverse_scale(byte)[None, :], INTERPRET)
+        data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
         padded_rows = padded_seq_start(seq_start, b) + rows
         transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
         tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
-        tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, _byte_to_scale(byte))
+        tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
     if DELTA:
         o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
         tl.store(delta_ptr + h * total + tokens, tl.sum(x * o, axis=1), mask=in_seq)
@@ -290,7 +271,7 @@ def _dkdv_step(
     q_t = tl.load(qt_ptr + transposed)
     dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
     if ACCUMULATE_DQ:
-        dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * _byte_to_scale(ds_byte))[None, :]
+        dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * scale_value(ds_byte))[None, :]
         dq = dq * _inverse(q_scale)[:, None]
         if TMA_REDUCE:  # one bulk reduce-add of the tile; rows past len_q add zeros
             dq_desc.atomic_add([dq_row + m_start.to(tl.int32), dq_col], dq)
@@ -370,7 +351,7 @@ def _dkdv_kernel(
                     HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, TMA_REDUCE,
                     INTERPRET,
                 )
-    dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (_byte_to_scale(ds_byte) * softmax_scale)
+    dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (scale_value(ds_byte) * softmax_scale)
     dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
     dk = dk_acc * dk_scale[None, :] * _inverse(k_scale)[:, None]
     tl.store(dk_ptr + kv_natural, dk.to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
@@ -456,7 +437,7 @@ def _dq_kernel(
                 SCORE_ACC_STEP, INTERPRET,
             )
     k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)
-    dq_scale = k_channel_scale * (_byte_to_scale(ds_byte) * softmax_scale)
+    dq_scale = k_channel_scale * (scale_value(ds_byte) * softmax_scale)
     dq = dq_acc * dq_scale[None, :] * _inverse(q_scale)[:, None]
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
 

@@ -20,3 +20,30 @@ floor_scale_byte = triton.jit(mx_format.floor_scale_byte)
 def scale_byte_offset(row, col, n_col_tiles):
     """Byte offset of scale-matrix entry (row, col) in one head's tiled buffer."""
     return scale_tile_base(row // 128, col // 4, n_col_tiles) + scale_tile_offset(row % 128, col % 4)
+
+
+@triton.jit
+def scale_byte_of_amax(amax, FLOOR: tl.constexpr):
+    """int32 E8M0 byte of fp32 block maxima by ``mx_format``'s rule (rceil, or floor).
+
+    ``amax / 448`` must round to nearest as torch's division does: Triton's plain ``/`` compiles
+    to an approximate division on the GPU, which can push an exact power of two to the next byte.
+    """
+    if FLOOR:
+        return floor_scale_byte(amax.to(tl.int32, bitcast=True))
+    return rceil_scale_byte(tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def scale_factor(byte):
+    """Exact fp32 ``2^(127 - byte)`` for E8M0 bytes in [0, 254] (byte 254 gives the subnormal
+    2^-127): multiplying a block by it maps the block onto the e4m3 range."""
+    bits = tl.where(byte < 254, (254 - byte) << 23, 0x00400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_value(byte):
+    """Exact fp32 ``2^(byte - 127)``, the value of an E8M0 byte in [0, 254] (byte 0: subnormal 2^-127)."""
+    bits = tl.where(byte > 0, byte << 23, 0x00400000)
+    return bits.to(tl.float32, bitcast=True)

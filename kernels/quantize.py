@@ -30,15 +30,7 @@ from .interpreter import INTERPRETED
 TILE_TOKENS = TILE_ROWS  # tokens per program: one scale row tile (feature) / column tile (sequence)
 NUM_WARPS = 8
 SLOTS_PER_STEP = 1024  # slots the prologue fills per loop step
-TWO_POW_MINUS_127_BITS = tl.constexpr(0x00400000)  # fp32 bit pattern of 2^-127, a subnormal
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
-
-
-@triton.jit
-def scale_factor(byte):
-    """Exact fp32 ``2^(127 - byte)`` for E8M0 bytes in [0, 254] (byte 254 gives the subnormal 2^-127)."""
-    bits = tl.where(byte < 254, (254 - byte) << 23, TWO_POW_MINUS_127_BITS)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -65,9 +57,7 @@ def block_scale_bytes(blocks, AXES: tl.constexpr, FLOOR: tl.constexpr, INTERPRET
     amax = tl.abs(blocks)
     for i in tl.static_range(len(AXES)):
         amax = max_keeping_nan(amax, AXES[i], INTERPRET)
-    if FLOOR:
-        return layout.floor_scale_byte(amax.to(tl.int32, bitcast=True)), amax
-    return layout.rceil_scale_byte(tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)), amax
+    return layout.scale_byte_of_amax(amax, FLOOR), amax
 
 
 @triton.jit
@@ -131,7 +121,7 @@ def _quantize_kernel(
         # Blocks of 32 channels of one token; scale row = the token's padded row, column = block.
         blocks = tl.reshape(x, (128, BLOCK_D // 32, 32))
         byte, amax = block_scale_bytes(blocks, (2,), FLOOR, INTERPRET)
-        data = fp8.to_e4m3(blocks * scale_factor(byte)[:, :, None], INTERPRET)
+        data = fp8.to_e4m3(blocks * layout.scale_factor(byte)[:, :, None], INTERPRET)
         tl.store(feature_data + element, tl.reshape(data, (128, BLOCK_D)), mask=inside)
         columns = tl.arange(0, BLOCK_D // 32)
         where = layout.scale_byte_offset(slot * 128 + token[:, None], columns[None, :], CHANNEL_TILES)
@@ -141,7 +131,7 @@ def _quantize_kernel(
         # Scale row = channel, column = the block's padded column.
         blocks = tl.reshape(x, (4, 4, 8, BLOCK_D))
         byte, amax = block_scale_bytes(blocks, (0, 1), FLOOR, INTERPRET)
-        data = fp8.to_e4m3(blocks * scale_factor(byte)[None, :, None, :], INTERPRET)
+        data = fp8.to_e4m3(blocks * layout.scale_factor(byte)[None, :, None, :], INTERPRET)
         tl.store(sequence_data + element, tl.reshape(data, (128, BLOCK_D)), mask=inside)
         columns = slot * 4 + tl.arange(0, 4)
         where = layout.scale_byte_offset(channels[None, :], columns[:, None], n_slots)

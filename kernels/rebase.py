@@ -58,17 +58,9 @@ def sequence_span(offsets, seq):
 
 
 @triton.jit
-def scale_byte_of_amax(amax, FLOOR: tl.constexpr):
-    """E8M0 byte (int32) of a block's fp32 absolute maximum, by the rounding rule of mx_format."""
-    if FLOOR:
-        return layout.floor_scale_byte(amax.to(tl.int32, bitcast=True))
-    return layout.rceil_scale_byte((amax / 448.0).to(tl.int32, bitcast=True))
-
-
-@triton.jit
 def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
     """fp32 ``x`` divided by ``2^(byte - 127)``, rounded to e4m3, returned as fp32 values."""
-    return fp8.to_e4m3(x * exp2_int(127 - byte), INTERPRET).to(tl.float32)
+    return fp8.to_e4m3(x * layout.scale_factor(byte), INTERPRET).to(tl.float32)
 
 
 @triton.jit
@@ -85,7 +77,7 @@ def rebased_feature_rows(
     """
     x = tl.reshape(_load_rows(src, head, start, rows, length, HEADS, D), (BLOCK_T, D // 32, 32))
     if FROM_HIGH_PRECISION:
-        byte = scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
+        byte = layout.scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
         x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
     else:
         padded_rows = layout.padded_seq_start(start, seq) + rows
@@ -133,7 +125,7 @@ def _load_rows(src, head, start, rows, length, HEADS: tl.constexpr, D: tl.conste
 @triton.jit
 def _sequence_bytes_of_values(x, BLOCK_T: tl.constexpr, D: tl.constexpr, FLOOR: tl.constexpr):
     """int32 ``[BLOCK_T / 32, D]`` bytes of the 32-token blocks of fp32 rows ``x [BLOCK_T, D]``."""
-    return scale_byte_of_amax(tl.max(tl.abs(tl.reshape(x, (BLOCK_T // 32, 32, D))), axis=1), FLOOR)
+    return layout.scale_byte_of_amax(tl.max(tl.abs(tl.reshape(x, (BLOCK_T // 32, 32, D))), axis=1), FLOOR)
 
 
 @triton.jit

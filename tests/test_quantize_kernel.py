@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from compile_util import compile_ptx
+from jagged_attn.kernels import layout
 from jagged_attn.kernels import quantize as qk
 from jagged_attn.kernels.interpreter import INTERPRETED
 
@@ -125,16 +126,18 @@ def test_extreme_magnitudes(rounding, dtype, device):
 
 
 @triton.jit
-def _scale_factor_kernel(bytes_, out, N: tl.constexpr):
+def _scale_factor_kernel(bytes_, factors, values, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(out + i, qk.scale_factor(tl.load(bytes_ + i)))
+    tl.store(factors + i, layout.scale_factor(tl.load(bytes_ + i)))
+    tl.store(values + i, layout.scale_value(tl.load(bytes_ + i)))
 
 
-def test_scale_factor_is_exact_for_every_byte():
+def test_scale_factor_and_value_are_exact_for_every_byte():
     bytes_ = torch.arange(256, dtype=torch.int32).clamp(max=254)
-    out = torch.full((256,), float("nan"))
-    _scale_factor_kernel[(1,)](bytes_, out, N=256)
-    assert torch.equal(out.view(torch.int32), mx_format.scale_factors(bytes_).view(torch.int32))
+    factors, values = torch.full((256,), float("nan")), torch.full((256,), float("nan"))
+    _scale_factor_kernel[(1,)](bytes_, factors, values, N=256)
+    assert torch.equal(factors.view(torch.int32), mx_format.scale_factors(bytes_).view(torch.int32))
+    assert torch.equal(values.view(torch.int32), mx_format.descale_factors(bytes_).view(torch.int32))
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy, inside the interpreter
