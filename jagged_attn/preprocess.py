@@ -180,6 +180,7 @@ def preprocess_file(
     chunk_tokens: int | None = None,
     progress: bool = True,
     compile: bool | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """Quantize the jagged tensor in ``input_path`` to MXFP8 and write it to ``output_path``.
 
@@ -195,6 +196,9 @@ def preprocess_file(
         compile: quantize through ``torch.compile`` (bit-identical, several times faster; the
             first chunk pays a few seconds of compilation). Default: only for inputs of more than
             ``COMPILE_MIN_VALUES`` values.
+        device: where chunks are quantized: ``"cuda"`` runs the fused Triton quantize kernel
+            (``jagged_attn.kernels.quantize``, bit-identical to the CPU path); files are read and
+            written on the host either way.
 
     Returns:
         Statistics: sequences, tokens, heads, head_dim, axis, rounding, chunks, input/output bytes,
@@ -228,7 +232,8 @@ def preprocess_file(
             values = source.rows(row_start, row_stop)
             chunk_offsets = offsets[first : end + 1] - row_start
             for ax, entry in entries.items():
-                local = quantize_mxfp8(values, chunk_offsets, axis=ax, rounding=rounding, compile=compile)
+                local = quantize_mxfp8(values.to(device), chunk_offsets.to(device), axis=ax, rounding=rounding,
+                                       compile=compile).to("cpu")
                 writer.write_data(entry.name, local.data, row_start)
                 tiles = _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets)
                 writer.write_scale_tiles(entry.name, *tiles)

@@ -208,3 +208,13 @@ def test_compiled_quantizer_is_bit_identical(tmp_path, axis):
     for compile in (False, True):
         preprocess_file(tmp_path / "in.st", tmp_path / f"{compile}.st", axis=axis, compile=compile, progress=False)
     assert (tmp_path / "False.st").read_bytes() == (tmp_path / "True.st").read_bytes()
+
+
+@pytest.mark.gpu
+def test_gpu_preprocessing_is_byte_identical(tmp_path):
+    """device="cuda" quantizes with the fused Triton kernel; the file must not change by a byte."""
+    values = torch.randn(3000, 4, 128, dtype=torch.bfloat16)
+    save_file({"values": values, "lengths": torch.tensor([1000, 0, 33, 1967])}, tmp_path / "in.st")
+    for device in ("cpu", "cuda"):
+        preprocess_file(tmp_path / "in.st", tmp_path / f"{device}.st", axis="both", device=device, progress=False)
+    assert (tmp_path / "cpu.st").read_bytes() == (tmp_path / "cuda.st").read_bytes()
