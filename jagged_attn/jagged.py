@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .offsets import lengths_of, offsets_from_lengths, validate_offsets
+from .offsets import lengths_of, max_length, offsets_from_lengths, validate_offsets
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 # fbgemm's and aten's jagged ops reject fp8: such payloads travel bit-exactly as an int32 view.
@@ -62,7 +62,7 @@ class JaggedTensor:
 
     @property
     def max_length(self) -> int:
-        return int(self.lengths.max()) if self.batch_size else 0
+        return max_length(self.offsets)
 
     @property
     def feature_shape(self) -> tuple:

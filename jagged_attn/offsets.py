@@ -64,6 +64,11 @@ def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
 
 
+def max_length(offsets: torch.Tensor) -> int:
+    """The longest sequence's length (0 for an empty batch)."""
+    return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """int64 offsets ``[0, cumsum(lengths)]``."""
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)

@@ -30,11 +30,11 @@ import triton.language as tl
 
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
-from jagged_attn.offsets import lengths_of
+from jagged_attn.offsets import max_length
 from jagged_attn.scale_layout import TILE_COLS, num_tiles
 
 from . import fp8
-from .layout import padded_seq_start, scale_byte_of_amax, scale_byte_offset, scale_factor
+from .layout import padded_seq_start, scale_byte_of_amax, scale_byte_offset, scale_factor, sequence_span
 
 MX_BLOCK = tl.constexpr(mx_format.BLOCK_SIZE)
 P_STATIC_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
@@ -49,15 +49,6 @@ DKDV_BLOCK_M = 64  # query tile of the dK/dV kernel (see dkdv_kernel)
 HEAD_DIMS = (64, 128)
 NUM_WARPS = 8
 NUM_STAGES = 3
-
-
-@triton.jit
-def sequence_spans(offsets_q, offsets_k, seq):
-    """(first row as int64, length) of sequence ``seq`` in the queries, then in the keys."""
-    q_start = tl.load(offsets_q + seq).to(tl.int64)
-    k_start = tl.load(offsets_k + seq).to(tl.int64)
-    len_q = (tl.load(offsets_q + seq + 1) - q_start).to(tl.int32)
-    return q_start, len_q, k_start, (tl.load(offsets_k + seq + 1) - k_start).to(tl.int32)
 
 
 @triton.jit
@@ -164,7 +155,8 @@ def forward_kernel(
 ):
     """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start, len_q, k_start, len_k = sequence_spans(offsets_q, offsets_k, seq)
+    q_start, len_q = sequence_span(offsets_q, seq)
+    k_start, len_k = sequence_span(offsets_k, seq)
     if tile * BLOCK_M >= len_q:
         return
     kv_head = head // (heads_q // heads_kv)
@@ -345,7 +337,8 @@ def dkdv_kernel(
     axis); S and dP from head_dim-axis Q, K, V, dO (DESIGN.md section 3).
     """
     tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start, len_q, k_start, len_k = sequence_spans(offsets_q, offsets_k, seq)
+    q_start, len_q = sequence_span(offsets_q, seq)
+    k_start, len_k = sequence_span(offsets_k, seq)
     if tile * BLOCK_N >= len_k:
         return
     q_padded = padded_seq_start(q_start, seq)
@@ -468,7 +461,8 @@ def dq_kernel(
     It recomputes the same dS tiles as :func:`dkdv_kernel` (no atomics: deterministic).
     """
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start, len_q, k_start, len_k = sequence_spans(offsets_q, offsets_k, seq)
+    q_start, len_q = sequence_span(offsets_q, seq)
+    k_start, len_k = sequence_span(offsets_k, seq)
     if tile * BLOCK_M >= len_q:
         return
     kv_head = head // (heads_q // heads_kv)
@@ -585,10 +579,6 @@ def _launch_meta(head_dim: int, causal: bool) -> dict:
     )
 
 
-def _max_length(offsets: torch.Tensor) -> int:
-    return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
-
-
 def attention_forward(
     q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16
 ):
@@ -612,7 +602,7 @@ def attention_forward(
 
     out = torch.empty(total_q, heads_q, head_dim, dtype=out_dtype, device=q.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(_max_length(q.offsets), BLOCK_M), q.batch_size, heads_q)
+    grid = (triton.cdiv(max_length(q.offsets), BLOCK_M), q.batch_size, heads_q)
     if 0 in grid:
         return out, lse
     q_scales, k_scales, v_scales = _scale_bytes(q), _scale_bytes(k), _scale_bytes(v)
@@ -676,7 +666,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     }
     lse = lse.contiguous()
     meta = _launch_meta(head_dim, causal)
-    dkdv_grid = (triton.cdiv(_max_length(offsets_k), BLOCK_N), batch, heads_kv)
+    dkdv_grid = (triton.cdiv(max_length(offsets_k), BLOCK_N), batch, heads_kv)
     if 0 not in dkdv_grid:
         dkdv_kernel[dkdv_grid](
             q_feature.data,
@@ -707,7 +697,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
             BLOCK_M=DKDV_BLOCK_M,
             **meta,
         )
-    dq_grid = (triton.cdiv(_max_length(offsets_q), BLOCK_M), batch, heads_q)
+    dq_grid = (triton.cdiv(max_length(offsets_q), BLOCK_M), batch, heads_q)
     if 0 not in dq_grid:
         dq_kernel[dq_grid](
             q_feature.data,

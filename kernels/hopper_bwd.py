@@ -47,10 +47,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jagged_attn.mx_format import P_STATIC_EXP
-from jagged_attn.offsets import padded_total
+from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8
-from .layout import padded_seq_start, scale_byte_of_amax, scale_factor, scale_value
+from .layout import padded_seq_start, scale_byte_of_amax, scale_factor, scale_value, sequence_span
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
@@ -90,16 +90,14 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
-    """fp32 tile ``[TILE, D]`` of sequence ``b``, head ``h`` (zeros past its end), its natural
-    offsets, its token rows inside the sequence and the in-sequence mask."""
-    seq_start = tl.load(offsets_ptr + b).to(tl.int64)
-    seq_len = tl.load(offsets_ptr + b + 1).to(tl.int64) - seq_start
+def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    """fp32 tile ``[TILE, D]`` of the sequence at ``seq_start``, head ``h`` (zeros past its end), its
+    natural offsets, its token rows inside the sequence and the in-sequence mask."""
     rows = tile * TILE + tl.arange(0, TILE)
     in_seq = rows < seq_len
     natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-    return x, natural, seq_start, rows, in_seq
+    return x, natural, rows, in_seq
 
 
 @triton.jit
@@ -125,7 +123,10 @@ def _sequence_amax_kernel(
     ``amax`` (int32 bits of the fp32 values, ``[H, B, D]``, zero-initialized): non-negative
     floats order like their bits."""
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    x, _, _, _, _ = _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS, HEAD_DIM, TILE)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    if tile * TILE >= seq_len:
+        return
+    x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
     amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
     tl.atomic_max(amax_ptr + (h * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
 
@@ -151,9 +152,10 @@ def _quantize_kernel(
     no key).
     """
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    x, natural, seq_start, rows, in_seq = _load_tile(x_ptr, offsets_ptr, tile, b, h, HEADS, HEAD_DIM, TILE)
-    if tile * TILE >= tl.load(offsets_ptr + b + 1) - seq_start:
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    if tile * TILE >= seq_len:
         return
+    x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
     tokens = seq_start + rows
     channels = tl.arange(0, HEAD_DIM)
     if FEATURE:
@@ -183,14 +185,6 @@ def _quantize_kernel(
 
 
 # ----------------------------------------------------------------------------- main kernel
-
-
-@triton.jit
-def _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b):
-    """(first query row, query length, first key row, key length) of sequence ``b``, int64."""
-    q_start = tl.load(offsets_q_ptr + b).to(tl.int64)
-    k_start = tl.load(offsets_k_ptr + b).to(tl.int64)
-    return q_start, tl.load(offsets_q_ptr + b + 1) - q_start, k_start, tl.load(offsets_k_ptr + b + 1) - k_start
 
 
 @triton.jit
@@ -303,7 +297,8 @@ def _dkdv_kernel(
     ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
     """
     n_tile, b, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start, len_q, k_start, len_k = _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b)
+    q_start, len_q = sequence_span(offsets_q_ptr, b)
+    k_start, len_k = sequence_span(offsets_k_ptr, b)
     n_start = n_tile * BLOCK_N
     if n_start >= len_k:
         return
@@ -401,7 +396,8 @@ def _dq_kernel(
     (no atomics: bit-identical run to run). Layouts as in :func:`_dkdv_kernel`; dq in the output
     dtype ``[total_q, Hq, D]``."""
     m_tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start, len_q, k_start, len_k = _sequence_bounds(offsets_q_ptr, offsets_k_ptr, b)
+    q_start, len_q = sequence_span(offsets_q_ptr, b)
+    k_start, len_k = sequence_span(offsets_k_ptr, b)
     m_start = m_tile * BLOCK_M
     if m_start >= len_q:
         return
@@ -530,8 +526,7 @@ class _Prepared:
         self.total_q, self.total_k = q.shape[0], k.shape[0]
         self.padded_q, self.padded_k = padded_total(self.total_q, self.batch), padded_total(self.total_k, self.batch)
         self.offsets_q, self.offsets_k = offsets_q, offsets_k
-        self.max_len_q = int((offsets_q[1:] - offsets_q[:-1]).max())
-        self.max_len_k = int((offsets_k[1:] - offsets_k[:-1]).max())
+        self.max_len_q, self.max_len_k = max_length(offsets_q), max_length(offsets_k)
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv

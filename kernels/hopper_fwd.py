@@ -38,7 +38,6 @@ from .rebase import (
     rebase_sequence,
     rebased_feature_rows,
     scale_args,
-    sequence_span,
 )
 from .schedule import work_list
 
@@ -139,8 +138,8 @@ def _attention_forward_kernel(
         return
     tile = tl.load(work + 2 * slot + 1)
     kv_head = (head // (HEADS_Q // HEADS_KV)).to(tl.int64)
-    q_start, len_q = sequence_span(offsets_q, seq)
-    k_start, len_k = sequence_span(offsets_k, seq)
+    q_start, len_q = layout.sequence_span(offsets_q, seq)
+    k_start, len_k = layout.sequence_span(offsets_k, seq)
 
     row0 = tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)

@@ -5,7 +5,7 @@ torch front end calls (they are plain integer arithmetic), so there is one sourc
 """
 
 import triton
-import triton.language as tl  # noqa: F401  (the Triton interpreter needs it in scope)
+import triton.language as tl
 
 from jagged_attn import mx_format, offsets, scale_layout
 
@@ -14,6 +14,13 @@ scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
 rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)
 floor_scale_byte = triton.jit(mx_format.floor_scale_byte)
+
+
+@triton.jit
+def sequence_span(offsets, seq):
+    """(first row as int64, length as int32) of sequence ``seq`` of a jagged ``offsets`` array."""
+    start = tl.load(offsets + seq).to(tl.int64)
+    return start, (tl.load(offsets + seq + 1) - start).to(tl.int32)
 
 
 @triton.jit

@@ -64,8 +64,8 @@ def block_scale_bytes(blocks, AXES: tl.constexpr, FLOOR: tl.constexpr, INTERPRET
 def _slot_table_kernel(offsets, table, SLOTS_PER_STEP: tl.constexpr):
     """table[slot] = (first token row, tokens) of every slot of sequence ``program_id`` (tokens 0 past its end)."""
     seq = tl.program_id(0)
-    start = tl.load(offsets + seq).to(tl.int64)
-    end = tl.load(offsets + seq + 1).to(tl.int64)
+    start, length = layout.sequence_span(offsets, seq)
+    end = start + length
     first_slot = layout.padded_seq_start(start, seq) // 128
     n_slots = (layout.padded_seq_start(end, seq + 1) // 128 - first_slot).to(tl.int32)
     for step in range(0, n_slots, SLOTS_PER_STEP):

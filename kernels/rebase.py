@@ -38,8 +38,6 @@ from jagged_attn.scale_layout import TILE_COLS, num_tiles
 from . import fp8, layout
 from .schedule import work_list
 
-
-
 TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis blocks never straddle programs
 
 
@@ -48,13 +46,6 @@ def exp2_int(e):
     """Exact fp32 ``2^e`` for integer ``e``, clamped to the normal range [-126, 127]."""
     e = tl.minimum(tl.maximum(e, -126), 127)
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def sequence_span(offsets, seq):
-    """(first row as int64, length as int32) of sequence ``seq``."""
-    start = tl.load(offsets + seq).to(tl.int64)
-    return start, (tl.load(offsets + seq + 1) - start).to(tl.int32)
 
 
 @triton.jit
@@ -103,7 +94,7 @@ def _rebase_feature_kernel(
     if seq < 0:
         return
     tile = tl.load(work + 2 * slot + 1)
-    start, length = sequence_span(offsets, seq)
+    start, length = layout.sequence_span(offsets, seq)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     rebased, group_byte = rebased_feature_rows(
         src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
@@ -148,7 +139,7 @@ def _sequence_exponent_kernel(
     """exponent[head, seq, :] = the largest block byte of each channel over the sequence."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    start, length = sequence_span(offsets, seq)
+    start, length = layout.sequence_span(offsets, seq)
     largest = tl.zeros((D,), dtype=tl.int32)
     for first_row in range(0, length, BLOCK_T):
         if FROM_HIGH_PRECISION:
@@ -174,7 +165,7 @@ def _rebase_sequence_kernel(
     if seq < 0:
         return
     tile = tl.load(work + 2 * slot + 1)
-    start, length = sequence_span(offsets, seq)
+    start, length = layout.sequence_span(offsets, seq)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     x = _load_rows(src, head, start, rows, length, HEADS, D)
     if FROM_HIGH_PRECISION:
