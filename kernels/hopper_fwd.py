@@ -31,7 +31,6 @@ from jagged_attn.mxfp8 import MXFP8Jagged
 
 from . import fp8, layout
 from .rebase import (
-    exp2_int,
     quantize_rebase_feature,
     quantize_rebase_sequence,
     rebase_feature,
@@ -162,7 +161,7 @@ def _attention_forward_kernel(
         Q_FLOOR,
         INTERPRET,
     )
-    row_scale = exp2_int(q_byte - 127) * scale_log2
+    row_scale = layout.scale_value(q_byte) * scale_log2
     k_block = tl.make_block_ptr(
         k + k_start * (HEADS_KV * D) + kv_head * D,
         shape=(len_k, D),
@@ -231,7 +230,7 @@ def _attention_forward_kernel(
     )
 
     channels = tl.arange(0, D)
-    v_factor = exp2_int(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32) - 127)
+    v_factor = layout.scale_value(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32))
     seen = row_sum > 0.0
     inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)
     o = acc * inverse_sum[:, None] * v_factor[None, :]

@@ -43,7 +43,8 @@ TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis 
 
 @triton.jit
 def exp2_int(e):
-    """Exact fp32 ``2^e`` for integer ``e``, clamped to the normal range [-126, 127]."""
+    """Exact fp32 ``2^e`` for an integer shift ``e`` between two E8M0 bytes, clamped to the normal
+    range [-126, 127] (the value of one byte is ``layout.scale_value``)."""
     e = tl.minimum(tl.maximum(e, -126), 127)
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
@@ -103,7 +104,7 @@ def _rebase_feature_kernel(
     element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
     tl.store(dst + element, rebased, mask=(rows < length)[:, None])
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
-    tl.store(factor + head.to(tl.int64) * n_groups + groups, exp2_int(group_byte - 127))
+    tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
 
 
 @triton.jit
