@@ -79,10 +79,8 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str) -> Bac
         return forward_mx(*mx, causal, softmax_scale, q.dtype)
 
     def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
-        kwargs = dict(causal=causal, softmax_scale=softmax_scale)
-        if name == "triton":
-            kwargs["deterministic"] = deterministic
-        return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, **kwargs)
+        return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                                      softmax_scale=softmax_scale, deterministic=deterministic)
 
     return Backend(name, forward_mx, forward_hp, backward)
 

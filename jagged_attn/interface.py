@@ -8,7 +8,7 @@ import torch
 
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
-from .mxfp8 import MXFP8Jagged, check_mxfp8, check_values
+from .mxfp8 import MXFP8Jagged, check_values
 from .offsets import validate_offsets, values_unavailable
 
 
@@ -17,21 +17,21 @@ V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantizati
 
 def _unpack(x, offsets, name):
     """Accept a tensor (+ offsets), a JaggedTensor, a jagged nested tensor, fbgemm's ``(values, [offsets])``
-    pair or an MXFP8Jagged."""
+    pair or an MXFP8Jagged. Returns (values, offsets, heads_first): ``heads_first`` is None unless
+    ``x`` is a nested tensor, then whether it is in SDPA's ``[B, H, j, D]`` layout."""
     if is_jagged_nested(x):
         if offsets is not None:
             raise ValueError(f"{name} is a nested tensor: it carries its own offsets, do not pass them")
-        values, nested_offsets, _ = unpack_attention_nested(x)
-        return values, nested_offsets
+        return unpack_attention_nested(x)
     if isinstance(x, JaggedTensor):
-        return x.values, x.offsets if offsets is None else offsets
+        return x.values, x.offsets if offsets is None else offsets, None
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (list, tuple)):
         if len(x[1]) != 1:
             raise ValueError(f"{name}: fbgemm-style (values, [offsets]) must hold exactly one offsets tensor")
-        return x[0], x[1][0] if offsets is None else offsets
+        return x[0], x[1][0] if offsets is None else offsets, None
     if isinstance(x, MXFP8Jagged):
-        return x, x.offsets if offsets is None else offsets
-    return x, offsets
+        return x, x.offsets if offsets is None else offsets, None
+    return x, offsets, None
 
 
 def _same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -84,10 +84,9 @@ def jagged_attention(
         ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
         High-precision inputs get gradients through autograd (quantization is straight-through).
     """
-    nested_layout = unpack_attention_nested(q)[2] if is_jagged_nested(q) else None
-    q, offsets_q = _unpack(q, offsets_q, "q")
-    k, offsets_k = _unpack(k, offsets_k, "k")
-    v, offsets_v = _unpack(v, None, "v")
+    q, offsets_q, nested_layout = _unpack(q, offsets_q, "q")
+    k, offsets_k, _ = _unpack(k, offsets_k, "k")
+    v, offsets_v, _ = _unpack(v, None, "v")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if v_scaling not in V_AXES:
@@ -99,9 +98,7 @@ def jagged_attention(
     if len(kinds) != 1:
         raise TypeError("q, k, v must be all MXFP8Jagged or all high-precision tensors")
     quantized = kinds.pop()
-    if quantized:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            check_mxfp8(x, name)
+    if quantized:  # an MXFP8Jagged checked its own fields when it was made
         for name, x in (("q", q), ("k", k)):
             if x.axis != "feature":
                 raise ValueError(f"{name} must be quantized along the feature axis, got axis={x.axis!r}")

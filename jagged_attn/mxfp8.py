@@ -29,7 +29,7 @@ from .offsets import (
     validate_offsets,
     values_unavailable,
 )
-from .scale_layout import TILE_ROWS, from_tiles, tiled_bytes, to_tiles
+from .scale_layout import from_tiles, tiled_bytes, to_tiles
 
 AXES = ("feature", "sequence")
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -225,14 +225,12 @@ def sequence_block_columns(offsets: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _quantize_sequence(x, offsets, rounding, compile):
-    total, heads, dim = x.shape
-    rows, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
+    total, _, dim = x.shape
+    _, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
     columns = sequence_block_columns(offsets, total)
     data, byte, amax = (_compiled(_sequence_blocks) if compile else _sequence_blocks)(x, columns, cols, rounding)
     check_finite(amax, "values")
-    matrix = torch.zeros(heads, rows + (-rows) % TILE_ROWS, cols, dtype=torch.uint8, device=x.device)
-    matrix[:, :dim, :] = byte.to(torch.uint8).permute(1, 2, 0)
-    return data, to_tiles(matrix[:, :rows])
+    return data, to_tiles(byte.to(torch.uint8).permute(1, 2, 0))  # [H, D, cols]: rows are the D channels
 
 
 def element_scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:

@@ -630,8 +630,12 @@ def attention_forward(
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float):
+def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
+                       deterministic: bool = True):
     """dQ, dK, dV of jagged MXFP8 attention with ``tl.dot_scaled`` (the reference backend's dataflow).
+
+    Always deterministic (dQ has its own kernel, no atomics): ``deterministic`` is accepted so
+    every backend's backward has one signature.
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]`` high precision (as autograd saved
     them); lse float32 ``[total_q, Hq]`` from the forward. Operands are quantized here with
