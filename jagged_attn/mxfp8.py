@@ -29,7 +29,7 @@ from .offsets import (
     validate_offsets,
     values_unavailable,
 )
-from .scale_layout import from_tiles, tiled_bytes, to_tiles
+from .scale_layout import TILE_COLS, from_tiles, num_tiles, tiled_bytes, to_tiles
 
 AXES = ("feature", "sequence")
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -80,6 +80,10 @@ class MXFP8Jagged:
         """(rows, columns) of each head's scale matrix before tiling."""
         return scale_matrix_shape(self.axis, self.total, self.batch_size, self.head_dim)
 
+    def scale_col_tiles(self) -> int:
+        """Tiles per row of tiles in each head's scale buffer."""
+        return scale_col_tiles(self.axis, self.total, self.batch_size, self.head_dim)
+
     def scale_matrix(self) -> torch.Tensor:
         """uint8 ``[heads, rows, columns]``: the scale bytes untiled (padding rows/columns kept)."""
         return from_tiles(self.scales.view(torch.uint8), *self.scale_matrix_shape())
@@ -99,6 +103,11 @@ def scale_matrix_shape(axis: str, total: int, batch: int, head_dim: int) -> tupl
     if axis == "feature":
         return padded_total(total, batch), head_dim // BLOCK_SIZE
     return head_dim, padded_total(total, batch) // BLOCK_SIZE
+
+
+def scale_col_tiles(axis: str, total: int, batch: int, head_dim: int) -> int:
+    """Tiles per row of tiles in one head's scale buffer (the ``n_col_tiles`` of ``scale_byte_offset``)."""
+    return num_tiles(scale_matrix_shape(axis, total, batch, head_dim)[1], TILE_COLS)
 
 
 def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:

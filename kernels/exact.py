@@ -29,9 +29,8 @@ import triton
 import triton.language as tl
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
+from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_col_tiles
 from jagged_attn.offsets import max_length
-from jagged_attn.scale_layout import TILE_COLS, num_tiles
 
 from . import fp8
 from .layout import padded_seq_start, scale_byte_of_amax, scale_byte_offset, scale_factor, sequence_span
@@ -558,19 +557,11 @@ def _scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
     return mx.scales.view(torch.uint8)
 
 
-def _feature_col_tiles(head_dim: int) -> int:
-    return num_tiles(head_dim // mx_format.BLOCK_SIZE, TILE_COLS)
-
-
-def _sequence_col_tiles(mx: MXFP8Jagged) -> int:
-    return num_tiles(scale_matrix_shape("sequence", mx.total, mx.batch_size, mx.head_dim)[1], TILE_COLS)
-
-
 def _launch_meta(head_dim: int, causal: bool) -> dict:
     """Compile-time parameters and launch options shared by the kernels (all but BLOCK_M)."""
     return dict(
         D=head_dim,
-        FEATURE_COL_TILES=_feature_col_tiles(head_dim),
+        FEATURE_COL_TILES=scale_col_tiles("feature", 0, 0, head_dim),  # depends on D alone
         CAUSAL=causal,
         BLOCK_N=BLOCK_N,
         INTERPRET=fp8.INTERPRETED,
@@ -620,7 +611,7 @@ def attention_forward(
         q_scales.stride(0),
         k_scales.stride(0),
         v_scales.stride(0),
-        _sequence_col_tiles(v),
+        v.scale_col_tiles(),
         softmax_scale * LOG2E.value,
         heads_q,
         heads_kv,
@@ -694,7 +685,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
             scales["q"].stride(0),
             scales["q_seq"].stride(0),
             scales["k"].stride(0),
-            _sequence_col_tiles(q_sequence),
+            q_sequence.scale_col_tiles(),
             softmax_scale,
             heads_q,
             heads_kv,
@@ -722,7 +713,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
             scales["q"].stride(0),
             scales["k"].stride(0),
             scales["k_seq"].stride(0),
-            _sequence_col_tiles(k_sequence),
+            k_sequence.scale_col_tiles(),
             softmax_scale,
             heads_q,
             heads_kv,

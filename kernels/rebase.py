@@ -31,9 +31,8 @@ import triton
 import triton.language as tl
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import MXFP8Jagged, scale_matrix_shape
+from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
-from jagged_attn.scale_layout import TILE_COLS, num_tiles
 
 from . import fp8, layout
 from .schedule import work_list
@@ -187,10 +186,10 @@ def _rebase_sequence_kernel(
 
 def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
     """(scale buffer, bytes per head, column tiles) for a kernel; a dummy buffer for raw values."""
-    _, cols = scale_matrix_shape(axis, total, batch, dim)
+    col_tiles = scale_col_tiles(axis, total, batch, dim)
     if mx is None:
-        return torch.empty(1, dtype=torch.uint8, device=device), 0, num_tiles(cols, TILE_COLS)
-    return mx.scales.view(torch.uint8), mx.scales.shape[1], num_tiles(cols, TILE_COLS)
+        return torch.empty(1, dtype=torch.uint8, device=device), 0, col_tiles
+    return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
 def _rebase_feature(values, offsets, mx, rounding, group):

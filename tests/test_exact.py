@@ -15,7 +15,7 @@ import triton
 from compile_util import compile_ptx
 
 from jagged_attn.kernels import exact, fp8
-from jagged_attn.mxfp8 import quantize_mxfp8
+from jagged_attn.mxfp8 import quantize_mxfp8, scale_col_tiles
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.reference import reference_backward, reference_forward
 
@@ -69,7 +69,7 @@ def signature(kernel: str, constexprs: dict) -> dict:
 
 
 def compile_kernel(kernel: str, block_m: int, head_dim: int, causal: bool, arch: int) -> str:
-    constexprs = dict(D=head_dim, FEATURE_COL_TILES=exact._feature_col_tiles(head_dim), CAUSAL=causal,
+    constexprs = dict(D=head_dim, FEATURE_COL_TILES=scale_col_tiles("feature", 0, 0, head_dim), CAUSAL=causal,
                       BLOCK_M=block_m, BLOCK_N=exact.BLOCK_N, INTERPRET=False)
     return compile_ptx(MODULE, kernel, signature(kernel, constexprs), constexprs, arch=arch,
                        num_warps=exact.NUM_WARPS, num_stages=exact.NUM_STAGES)
