@@ -162,12 +162,24 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     ``offsets=None`` treats the whole tensor as one sequence. ``axis="feature"`` puts the 32-blocks
     along D (for Q and K in S = QK^T), ``axis="sequence"`` along each sequence's tokens (for V in
     O = PV). ``compile=True`` runs the element work through ``torch.compile`` (one fused pass,
-    about 10x faster on large CPU inputs, bit-identical; the first call compiles). Raises
+    about 10x faster on large CPU inputs, bit-identical; the first call compiles). CUDA tensors
+    always go through the fused Triton kernel (``kernels/quantize.py``, bit-identical). Raises
     ValueError/TypeError on bad input before any work.
     """
-    check_values(values, "values", finite=False)  # the block maxima are checked instead
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+    (mx,) = _quantize_axes(values, offsets, (axis,), rounding, compile)
+    return mx
+
+
+def quantize_mxfp8_dual(values, offsets=None, *, rounding: str = "rceil") -> tuple[MXFP8Jagged, MXFP8Jagged]:
+    """Both layouts of one tensor, ``(feature-axis, sequence-axis)`` MXFP8Jagged, as two
+    :func:`quantize_mxfp8` calls would give them; on CUDA one read of ``values`` makes both."""
+    return _quantize_axes(values, offsets, AXES, rounding, False)
+
+
+def _quantize_axes(values, offsets, axes, rounding, compile):
+    check_values(values, "values", finite=False)  # the block maxima are checked instead
     mx_format.check_rounding(rounding)
     total = values.shape[0]
     if offsets is None:
@@ -177,21 +189,24 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
         raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
     x = _as_3d(values)
     if x.is_cuda and not values_unavailable(x):
-        data, scales = _quantize_with_kernel(x, offsets, axis, rounding)
+        results = _quantize_with_kernel(x, offsets, axes, rounding)
     else:
-        quantize = _quantize_feature if axis == "feature" else _quantize_sequence
-        data, scales = quantize(x, offsets, rounding, compile)
-    return MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+        quantizers = {"feature": _quantize_feature, "sequence": _quantize_sequence}
+        results = [quantizers[axis](x, offsets, rounding, compile) for axis in axes]
+    return tuple(
+        MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+        for axis, (data, scales) in zip(axes, results)
+    )
 
 
-def _quantize_with_kernel(x, offsets, axis, rounding):
+def _quantize_with_kernel(x, offsets, axes, rounding):
     """CUDA tensors: the fused one-pass Triton kernel (bit-identical to the torch reference below)."""
     from .kernels.quantize import quantize_mxfp8_kernel  # imported here: the kernels import this module
 
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
-    ((data, scales),) = quantize_mxfp8_kernel(x, offsets, axes=(axis,), rounding=rounding, nonfinite=nonfinite)
+    results = quantize_mxfp8_kernel(x, offsets, axes=axes, rounding=rounding, nonfinite=nonfinite)
     check_finite(nonfinite, "values")
-    return data, scales
+    return results
 
 
 def _feature_blocks(x, rounding: str):

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_col_tiles
+from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, quantize_mxfp8_dual, scale_col_tiles
 from jagged_attn.offsets import max_length
 
 from . import fp8
@@ -630,18 +630,16 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]`` high precision (as autograd saved
     them); lse float32 ``[total_q, Hq]`` from the forward. Operands are quantized here with
-    ``quantize_mxfp8`` exactly as ``reference_backward`` does. Gradients come out in the inputs'
+    ``quantize_mxfp8`` / ``quantize_mxfp8_dual`` exactly as ``reference_backward`` does (on CUDA
+    one read of Q, K and dO makes both of their layouts). Gradients come out in the inputs'
     dtypes; dK and dV are summed over each KV head's query-head group.
     """
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     _check_heads(heads_q, heads_kv, head_dim)
-    q_feature = quantize_mxfp8(q, offsets_q, axis="feature")
-    q_sequence = quantize_mxfp8(q, offsets_q, axis="sequence")
-    do_feature = quantize_mxfp8(dout, offsets_q, axis="feature")
-    do_sequence = quantize_mxfp8(dout, offsets_q, axis="sequence")
-    k_feature = quantize_mxfp8(k, offsets_k, axis="feature")
-    k_sequence = quantize_mxfp8(k, offsets_k, axis="sequence")
+    q_feature, q_sequence = quantize_mxfp8_dual(q, offsets_q)
+    do_feature, do_sequence = quantize_mxfp8_dual(dout, offsets_q)
+    k_feature, k_sequence = quantize_mxfp8_dual(k, offsets_k)
     v_feature = quantize_mxfp8(v, offsets_k, axis="feature")
     delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)
 

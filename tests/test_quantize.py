@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from jagged_attn import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8
+from jagged_attn import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_dual
 from jagged_attn.mx_format import cast_e4m3, scale_bytes
 from mx_oracle import oracle_quantize, round_e4m3, scale_exponent
 
@@ -143,3 +143,16 @@ def test_mxfp8jagged_validates_its_fields():
         MXFP8Jagged(mx.data.float(), mx.scales, mx.offsets, mx.axis)
     with pytest.raises(ValueError, match="offsets"):
         MXFP8Jagged(mx.data, mx.scales, torch.tensor([0, 20, 49]), mx.axis)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dual_equals_two_single_axis_calls(device):
+    offsets = _offsets([0, 33, 129, 5]).to(device)
+    x = _values(int(offsets[-1]), 2, 64).to(device)
+    for rounding in ("rceil", "floor"):
+        dual = quantize_mxfp8_dual(x, offsets, rounding=rounding)
+        for mx, axis in zip(dual, ("feature", "sequence")):
+            single = quantize_mxfp8(x, offsets, axis=axis, rounding=rounding)
+            assert mx.axis == axis and mx.rounding == rounding
+            assert torch.equal(mx.data.view(torch.uint8), single.data.view(torch.uint8))
+            assert torch.equal(mx.scales.view(torch.uint8), single.scales.view(torch.uint8))
