@@ -100,16 +100,21 @@ def _rebase_feature_kernel(
         src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
         HEADS, D, BLOCK_T, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
     )
-    element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
-    tl.store(dst + element, rebased, mask=(rows < length)[:, None])
+    tl.store(dst + _row_elements(head, start, rows, HEADS, D), rebased, mask=(rows < length)[:, None])
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
     tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
 
 
 @triton.jit
+def _row_elements(head, start, rows, HEADS: tl.constexpr, D: tl.constexpr):
+    """Element offsets ``[len(rows), D]`` of one head at rows ``start + rows`` of ``[total, HEADS, D]``."""
+    return (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
 def _load_rows(src, head, start, rows, length, HEADS: tl.constexpr, D: tl.constexpr):
     """fp32 ``[len(rows), D]`` of one head at sequence rows ``rows`` (0 past ``length``)."""
-    element = (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
+    element = _row_elements(head, start, rows, HEADS, D)
     return tl.load(src + element, mask=(rows < length)[:, None], other=0.0).to(tl.float32)
 
 

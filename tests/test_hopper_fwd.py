@@ -121,23 +121,28 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", CPU_CASES)
-def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, dim, causal):
-    q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim)
-    mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
-    scale = 0.7 / math.sqrt(dim)
+def forward_and_reference(mq, mk, mv, causal, scale):
+    """Our forward (fp32 output) and the reference backend's fp64 one on the same MXFP8 inputs."""
     out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
-    assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == q.shape[:2]
     ref_out, ref_lse = reference.reference_forward(
         mq.dequantize(),
         mk.dequantize(),
         mv.dequantize(),
-        offsets_q,
-        offsets_k,
+        mq.offsets,
+        mk.offsets,
         causal=causal,
         softmax_scale=scale,
         compute_dtype=torch.float64,
     )
+    return out, lse, ref_out, ref_lse
+
+
+@pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", CPU_CASES)
+def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, dim, causal):
+    q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim)
+    mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
+    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, 0.7 / math.sqrt(dim))
+    assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == q.shape[:2]
     check_against_reference(out, lse, ref_out, ref_lse)
 
 
@@ -230,17 +235,7 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim, kind)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = 1 / math.sqrt(dim)
-    out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
-    ref_out, ref_lse = reference.reference_forward(
-        mq.dequantize(),
-        mk.dequantize(),
-        mv.dequantize(),
-        offsets_q,
-        offsets_k,
-        causal=causal,
-        softmax_scale=scale,
-        compute_dtype=torch.float64,
-    )
+    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, scale)
     exact_out, _ = reference.reference_forward(
         q.double(),
         k.double(),
