@@ -48,8 +48,12 @@ FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_o
 
 def tile_config(head_dim: int) -> dict:
     """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/PERF.md): one
-    warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128)."""
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+    warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
+
+    SCORE_ACC_STEP=None keeps FP8 wgmma's fast accumulation for S over all of D; 32 promotes S to
+    fp32 every 32-wide k step, which lowers S's error ~1.5x for 11% of the speed (measured with
+    ``scripts/fwd_precision.py``, docs/PERF.md), so the default is the fast one."""
+    return dict(BLOCK_M=64, BLOCK_N=128, SCORE_ACC_STEP=None, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -67,6 +71,7 @@ def _attend_tiles(
     col_end,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    SCORE_ACC_STEP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i]."""
@@ -81,7 +86,7 @@ def _attend_tiles(
             k = tl.load(k_block, boundary_check=(0,), padding_option="zero")
         else:
             k = tl.load(k_block)
-        s = tl.dot(q, tl.trans(k)) * (row_scale * k_factor)[:, None]
+        s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP) * (row_scale * k_factor)[:, None]
         if MASKED:
             cols = col0 + tl.arange(0, BLOCK_N)
             s = tl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
@@ -125,6 +130,7 @@ def _attention_forward_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCORE_ACC_STEP: tl.constexpr,
     CAUSAL: tl.constexpr,
     Q_FROM_HIGH_PRECISION: tl.constexpr,
     Q_FLOOR: tl.constexpr,
@@ -210,6 +216,7 @@ def _attention_forward_kernel(
         unmasked_end,
         BLOCK_N,
         False,
+        SCORE_ACC_STEP,
         INTERPRET,
     )
     acc, row_sum, row_max = _attend_tiles(
@@ -226,6 +233,7 @@ def _attention_forward_kernel(
         col_end,
         BLOCK_N,
         True,
+        SCORE_ACC_STEP,
         INTERPRET,
     )
 

@@ -188,7 +188,7 @@ def _kernel_signature(out_type):
 
 def _tiles(dim):
     config = hopper_fwd.tile_config(dim)
-    return dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
+    return dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SCORE_ACC_STEP=config["SCORE_ACC_STEP"])
 
 
 def test_compiles_to_fp8_wgmma_for_sm90():
