@@ -157,13 +157,20 @@ def ours_backward(w: Workload, mq, mk, mv):
 # ---- peers ------------------------------------------------------------------------------------
 
 
+def varlen_causal_kwargs(causal: bool) -> dict:
+    """How this torch's ``varlen_attn`` is asked for bottom-right causal masking."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if not causal:
+        return {}
+    has_window = "window_size" in inspect.signature(varlen_attn).parameters
+    return {"window_size": (-1, 0)} if has_window else {"is_causal": True}
+
+
 def varlen_fa2(w: Workload, backward: bool):
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    causal = {}
-    if w.causal:
-        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    causal = varlen_causal_kwargs(w.causal)
     max_q, max_k = int(w.len_q.max()), int(w.len_k.max())
 
     def forward(q, k, v):

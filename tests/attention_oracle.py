@@ -28,15 +28,15 @@ def _pad(values, offsets, max_len):
 
 
 def padded_attention(q, k, v, offsets_q, offsets_k, causal, softmax_scale=None):
-    """float64 (out [total_q, Hq, D], lse [total_q, Hq]) from padded SDPA; differentiable."""
+    """(out [total_q, Hq, D], lse [total_q, Hq]) in the inputs' dtype from padded attention; differentiable."""
     len_q, len_k = offsets_q.diff(), offsets_k.diff()
     max_q, max_k = max(int(len_q.max()), 1), max(int(len_k.max()), 1)
     group = q.shape[1] // k.shape[1]
     dq = _pad(q, offsets_q, max_q).transpose(1, 2)  # [B, H, Lq, D]
     dk = _pad(k, offsets_k, max_k).repeat_interleave(group, 2).transpose(1, 2)
     dv = _pad(v, offsets_k, max_k).repeat_interleave(group, 2).transpose(1, 2)
-    i = torch.arange(max_q).view(1, -1, 1)
-    j = torch.arange(max_k).view(1, 1, -1)
+    i = torch.arange(max_q, device=q.device).view(1, -1, 1)
+    j = torch.arange(max_k, device=q.device).view(1, 1, -1)
     lq, lk = len_q.view(-1, 1, 1), len_k.view(-1, 1, 1)
     mask = (i < lq) & (j < lk)
     if causal:
@@ -46,7 +46,7 @@ def padded_attention(q, k, v, offsets_q, offsets_k, causal, softmax_scale=None):
     scores = (dq @ dk.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, -1)  # -inf where no key is visible
-    probs = torch.where(mask, torch.exp(scores - lse.unsqueeze(-1).clamp_min(-1e300)), torch.zeros_like(scores))
+    probs = torch.where(mask, torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(lse.dtype).min)), torch.zeros_like(scores))
     out = probs @ dv  # [B, H, Lq, D]
     seq, pos = _token_index(offsets_q)
     return out.transpose(1, 2)[seq, pos], lse.transpose(1, 2)[seq, pos]
