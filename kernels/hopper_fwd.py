@@ -43,6 +43,7 @@ from .schedule import work_list
 LOG2E = 1.0 / math.log(2.0)
 LN2 = tl.constexpr(math.log(2.0))
 P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)
+SCORE_ACC_STEP = tl.constexpr(32)  # k step at which SCORES="fp8-promoted" adds partial sums in fp32
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
 
 
@@ -50,10 +51,11 @@ def tile_config(head_dim: int) -> dict:
     """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/PERF.md): one
     warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
 
-    SCORE_ACC_STEP=None keeps FP8 wgmma's fast accumulation for S over all of D; 32 promotes S to
-    fp32 every 32-wide k step, which lowers S's error ~1.5x for 11% of the speed (measured with
-    ``scripts/fwd_precision.py``, docs/PERF.md), so the default is the fast one."""
-    return dict(BLOCK_M=64, BLOCK_N=128, SCORE_ACC_STEP=None, num_warps=4, num_stages=3)
+    SCORES picks how S = Q K^T is computed: "fp8" is FP8 wgmma with its fast accumulation over all
+    of D; "fp8-promoted" adds the partial sums in fp32 every 32-wide k step; "bf16" upcasts the e4m3
+    operands (exactly) and runs a bf16 wgmma, so S is exact up to fp32 accumulation, at half the MMA
+    rate for this product. Measured with ``scripts/fwd_precision.py`` (docs/PERF.md)."""
+    return dict(BLOCK_M=64, BLOCK_N=128, SCORES="fp8", num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -71,7 +73,7 @@ def _attend_tiles(
     col_end,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
-    SCORE_ACC_STEP: tl.constexpr,
+    SCORES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i]."""
@@ -86,7 +88,13 @@ def _attend_tiles(
             k = tl.load(k_block, boundary_check=(0,), padding_option="zero")
         else:
             k = tl.load(k_block)
-        s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP) * (row_scale * k_factor)[:, None]
+        if SCORES == "bf16":
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+        elif SCORES == "fp8-promoted":
+            s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s *= (row_scale * k_factor)[:, None]
         if MASKED:
             cols = col0 + tl.arange(0, BLOCK_N)
             s = tl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
@@ -130,7 +138,7 @@ def _attention_forward_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SCORE_ACC_STEP: tl.constexpr,
+    SCORES: tl.constexpr,
     CAUSAL: tl.constexpr,
     Q_FROM_HIGH_PRECISION: tl.constexpr,
     Q_FLOOR: tl.constexpr,
@@ -168,6 +176,8 @@ def _attention_forward_kernel(
         INTERPRET,
     )
     row_scale = layout.scale_value(q_byte) * scale_log2
+    if SCORES == "bf16":  # e4m3 converts exactly; Triton 3.6's interpreter gets bf16 dots wrong, so it uses fp32
+        q_tile = q_tile.to(tl.float32 if INTERPRET else tl.bfloat16)
     k_block = tl.make_block_ptr(
         k + k_start * (HEADS_KV * D) + kv_head * D,
         shape=(len_k, D),
@@ -216,7 +226,7 @@ def _attention_forward_kernel(
         unmasked_end,
         BLOCK_N,
         False,
-        SCORE_ACC_STEP,
+        SCORES,
         INTERPRET,
     )
     acc, row_sum, row_max = _attend_tiles(
@@ -233,7 +243,7 @@ def _attention_forward_kernel(
         col_end,
         BLOCK_N,
         True,
-        SCORE_ACC_STEP,
+        SCORES,
         INTERPRET,
     )
 
@@ -310,16 +320,25 @@ def _forward(
 
 
 def attention_forward(
-    q: MXFP8Jagged, k: MXFP8Jagged, v: MXFP8Jagged, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16
+    q: MXFP8Jagged,
+    k: MXFP8Jagged,
+    v: MXFP8Jagged,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    out_dtype=torch.bfloat16,
+    config=None,
 ):
     """Jagged attention of MXFP8 inputs (validated by the caller).
 
     q, k: feature-axis ``MXFP8Jagged`` (``[total_q, Hq, D]``, ``[total_k, Hkv, D]``); v: sequence-axis,
     offsets equal to k's. Returns (out ``[total_q, Hq, D]`` out_dtype, lse fp32 ``[total_q, Hq]``, natural
     log; rows that see no key get out = 0 and lse = -inf). Causal is bottom-right aligned.
-    K and V are rebased in one pass each; Q is rebased inside the kernel.
+    K and V are rebased in one pass each; Q is rebased inside the kernel. ``config``: :func:`tile_config`'s
+    keys (default: its values).
     """
-    k8, k_factor = rebase_feature(k, group=tile_config(k.head_dim)["BLOCK_N"])
+    config = tile_config(q.head_dim) if config is None else config
+    k8, k_factor = rebase_feature(k, group=config["BLOCK_N"])
     vt, v_exponent = rebase_sequence(v)
     return _forward(
         q.data,
@@ -333,6 +352,7 @@ def attention_forward(
         causal=causal,
         softmax_scale=softmax_scale,
         out_dtype=out_dtype,
+        config=config,
     )
 
 

@@ -1,10 +1,10 @@
-"""Forward accuracy against speed for each S accumulation step (``tile_config``'s SCORE_ACC_STEP).
+"""Forward accuracy against speed for each way of computing S (``tile_config``'s SCORES).
 
     python3 scripts/fwd_precision.py        # on an sm_90 GPU
 
 For the issue's four input kinds, prints O's relative L2 and the LSE error against the reference
 backend on the same MXFP8 inputs, and the cosine against fp64 minus the reference's; then the
-kernel's TFLOP/s on the dense 8 x 8192 x 16 heads workload, for every step in ``STEPS``.
+kernel's TFLOP/s on the dense 8 x 8192 x 16 heads workload, for every variant in ``VARIANTS``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ from jagged_attn import quantize_mxfp8, reference  # noqa: E402
 from jagged_attn.kernels import hopper_fwd, rebase  # noqa: E402
 from jagged_attn.offsets import offsets_from_lengths  # noqa: E402
 
-STEPS = [None, 64, 32]  # None: the hardware's fast accumulation over all of D
+VARIANTS = [dict(SCORES="fp8"), dict(SCORES="fp8-promoted"), dict(SCORES="bf16"), dict(SCORES="bf16", num_stages=2)]
+
+
+def label(variant):
+    return "/".join(str(value) for value in variant.values())
 KINDS = ["gaussian", "outlier_channel", "heavy_tailed", "peaked"]
 
 
-def forward(mq, mk, mv, causal, scale, step, out_dtype):
-    config = dict(hopper_fwd.tile_config(mq.head_dim), SCORE_ACC_STEP=step)
+def forward(mq, mk, mv, causal, scale, variant, out_dtype):
+    config = dict(hopper_fwd.tile_config(mq.head_dim), **variant)
     rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"]), *rebase.rebase_sequence(mv))
     return lambda: hopper_fwd._forward(mq.data, mq, *rebased, mq.offsets, mk.offsets, causal=causal,
                                        softmax_scale=scale, out_dtype=out_dtype, config=config)
@@ -44,11 +48,12 @@ def accuracy(case, kind):
                                            softmax_scale=scale, compute_dtype=torch.float64, fp8=False)
     finite = torch.isfinite(ref_lse)
     line = f"d{dim} causal={causal:d} {kind:15s}"
-    for step in STEPS:
-        out, lse = forward(mq, mk, mv, causal, scale, step, torch.float32)()
+    for variant in VARIANTS:
+        out, lse = forward(mq, mk, mv, causal, scale, variant, torch.float32)()
         lse_error = float((lse[finite].double() - ref_lse[finite]).abs().amax())
         cosine_gap = cases.cosine(out, exact) - cases.cosine(ref_out, exact)
-        line += f" | step {step}: O {cases.relative_l2(out, ref_out):.2e} LSE {lse_error:.1e} dcos {cosine_gap:+.1e}"
+        error = cases.relative_l2(out, ref_out)
+        line += f" | {label(variant)}: O {error:.2e} LSE {lse_error:.1e} dcos {cosine_gap:+.1e}"
     print(line, flush=True)
 
 
@@ -58,10 +63,10 @@ def speed(dim, causal):
     mq, mk, mv = quantize_mxfp8(q, offsets), quantize_mxfp8(k, offsets), quantize_mxfp8(v, offsets, axis="sequence")
     flops = 4 * 8 * 8192 * 8192 * dim * 16 / (2 if causal else 1)
     line = f"dense d{dim} causal={causal:d}"
-    for step in STEPS:
-        ms = triton.testing.do_bench(forward(mq, mk, mv, causal, dim**-0.5, step, torch.bfloat16), warmup=25,
+    for variant in VARIANTS:
+        ms = triton.testing.do_bench(forward(mq, mk, mv, causal, dim**-0.5, variant, torch.bfloat16), warmup=25,
                                      rep=150, return_mode="median")
-        line += f" | step {step}: {flops / ms / 1e9:.0f} TFLOP/s"
+        line += f" | {label(variant)}: {flops / ms / 1e9:.0f} TFLOP/s"
     print(line, flush=True)
 
 

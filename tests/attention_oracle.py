@@ -46,7 +46,8 @@ def padded_attention(q, k, v, offsets_q, offsets_k, causal, softmax_scale=None):
     scores = (dq @ dk.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, -1)  # -inf where no key is visible
-    probs = torch.where(mask, torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(lse.dtype).min)), torch.zeros_like(scores))
+    finite_lse = lse.unsqueeze(-1).clamp_min(torch.finfo(lse.dtype).min)
+    probs = torch.where(mask, torch.exp(scores - finite_lse), torch.zeros_like(scores))
     out = probs @ dv  # [B, H, Lq, D]
     seq, pos = _token_index(offsets_q)
     return out.transpose(1, 2)[seq, pos], lse.transpose(1, 2)[seq, pos]

@@ -121,9 +121,12 @@ CPU_CASES = [
 ]
 
 
-def forward_and_reference(mq, mk, mv, causal, scale):
-    """Our forward (fp32 output) and the reference backend's fp64 one on the same MXFP8 inputs."""
-    out, lse = hopper_fwd.attention_forward(mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
+def forward_and_reference(mq, mk, mv, causal, scale, config=None):
+    """Our forward (fp32 output; ``config`` as ``tile_config``'s) and the reference backend's fp64 one
+    on the same MXFP8 inputs."""
+    out, lse = hopper_fwd.attention_forward(
+        mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32, config=config
+    )
     ref_out, ref_lse = reference.reference_forward(
         mq.dequantize(),
         mk.dequantize(),
@@ -144,6 +147,14 @@ def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, di
     out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, 0.7 / math.sqrt(dim))
     assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == q.shape[:2]
     check_against_reference(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("scores", ["fp8-promoted", "bf16"])
+def test_forward_score_variants_match_reference(poisoned, scores):
+    q, k, v, offsets_q, offsets_k = make_inputs([0, 1, 33, 129], [5, 130, 31, 128], 4, 2, 64, "outlier_channel")
+    mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
+    config = dict(hopper_fwd.tile_config(64), SCORES=scores)
+    check_against_reference(*forward_and_reference(mq, mk, mv, True, 0.125, config))
 
 
 def test_forward_high_precision_equals_quantize_then_forward(poisoned):
@@ -188,11 +199,14 @@ def _kernel_signature(out_type):
 
 def _tiles(dim):
     config = hopper_fwd.tile_config(dim)
-    return dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SCORE_ACC_STEP=config["SCORE_ACC_STEP"])
+    return dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SCORES=config["SCORES"])
 
 
-def test_compiles_to_fp8_wgmma_for_sm90():
+@pytest.mark.parametrize("scores", ["fp8", "bf16"])
+def test_compiles_to_fp8_wgmma_for_sm90(scores):
+    """Every MMA is FP8 wgmma; with SCORES="bf16", S's is a bf16 wgmma instead."""
     signature, constexprs = _kernel_signature("*bf16")
+    constexprs["SCORES"] = scores
     config = hopper_fwd.tile_config(128)
     ptx = compile_ptx(
         "jagged_attn.kernels.hopper_fwd",
@@ -204,7 +218,9 @@ def test_compiles_to_fp8_wgmma_for_sm90():
         num_stages=config["num_stages"],
     )
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
-    assert wgmma and all("e4m3.e4m3" in line for line in wgmma)
+    fp8 = [line for line in wgmma if "e4m3.e4m3" in line]
+    bf16 = [line for line in wgmma if "bf16.bf16" in line]
+    assert fp8 and len(fp8) + len(bf16) == len(wgmma) and bool(bf16) == (scores == "bf16")
 
 
 GPU_CASES = [
