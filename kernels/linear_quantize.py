@@ -61,6 +61,10 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
 
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
+
 
 # The first is the default; the benchmark times them all. 128x256x64 on 8 warps (two consumer
 # warpgroups of 64 rows) is the usual best bf16 tile on Hopper: 3 stages of 48 KiB fit in shared

@@ -34,6 +34,7 @@ HEAD_DIM = 128
 PROJECTIONS = [("Q (32 heads)", 32), ("KV, GQA (16 heads)", 16)]  # out_features = heads * 128
 SEED = 1234
 TARGET = 0.90
+CUBLAS = "cuBLAS x @ w.T"
 
 
 def ragged_offsets(tokens: int, device) -> torch.Tensor:
@@ -49,26 +50,20 @@ def median_ms(fn) -> float:
     return do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
 
 
-def config_name(config: lq.Config) -> str:
-    return f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
-
-
-def bench_projection(label, heads, x, offsets, configs):
-    """Rows (label, variant, ms, TFLOP/s) for one projection shape; checks the fused result once."""
+def bench_projection(heads, x, offsets, configs) -> dict[str, float]:
+    """Milliseconds per variant for one projection shape; checks the fused result once first."""
     tokens, in_features = x.shape
     out_features = heads * HEAD_DIM
     weight = (torch.randn(out_features, in_features, device=x.device) / in_features**0.5).to(torch.bfloat16)
-    tflop = 2 * tokens * in_features * out_features / 1e12
-    rows_, cols = scale_matrix_shape("feature", tokens, offsets.numel() - 1, HEAD_DIM)
+    scale_rows, scale_cols = scale_matrix_shape("feature", tokens, offsets.numel() - 1, HEAD_DIM)
     y = torch.empty(tokens, out_features, dtype=torch.bfloat16, device=x.device)
     data = torch.empty(tokens, out_features, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(heads, tiled_bytes(rows_, cols), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(heads, tiled_bytes(scale_rows, scale_cols), dtype=torch.uint8, device=x.device)
     nonfinite = torch.zeros(1, device=x.device)
 
     def fused(config, store_y=True):
-        return lambda: lq.launch(
-            x, weight, None, y if store_y else None, data, scales, offsets, nonfinite, HEAD_DIM, "rceil", config
-        )
+        y_out = y if store_y else None
+        return lambda: lq.launch(x, weight, None, y_out, data, scales, offsets, nonfinite, HEAD_DIM, "rceil", config)
 
     def plain(config):
         return lambda: lq.launch(x, weight, None, y, None, None, None, None, HEAD_DIM, "rceil", config)
@@ -78,21 +73,16 @@ def bench_projection(label, heads, x, offsets, configs):
     assert torch.equal(data.view(torch.uint8), expected.data.view(tokens, -1).view(torch.uint8)), "MXFP8 data differ"
     assert torch.equal(scales, expected.scales.view(torch.uint8)), "MXFP8 scales differ"
 
-    results = []
+    times = {}
     for config in configs:
-        name = config_name(config)
-        results.append((label, f"fused  {name}", median_ms(fused(config))))
-        results.append((label, f"plain  {name}", median_ms(plain(config))))
-    results.append((label, f"fused, MXFP8 only {config_name(configs[0])}", median_ms(fused(configs[0], False))))
-    results.append((label, "cuBLAS x @ w.T", median_ms(lambda: x @ weight.T)))
-    results.append(
-        (
-            label,
-            "linear_quantize() API",
-            median_ms(lambda: lq.linear_quantize(x, weight, offsets, heads=heads, check_finite_values=False)),
-        )
+        times[f"fused {config.name}"] = median_ms(fused(config))
+        times[f"plain {config.name}"] = median_ms(plain(config))
+    times[f"fused, MXFP8 only {configs[0].name}"] = median_ms(fused(configs[0], store_y=False))
+    times[CUBLAS] = median_ms(lambda: x @ weight.T)
+    times["linear_quantize() API"] = median_ms(
+        lambda: lq.linear_quantize(x, weight, offsets, heads=heads, check_finite_values=False)
     )
-    return [(label, variant, ms, tflop / ms * 1e3) for label, variant, ms in results]
+    return times
 
 
 def main():
@@ -110,26 +100,26 @@ def main():
         f"{torch.cuda.get_device_name()}: {args.tokens} tokens in {offsets.numel() - 1} ragged sequences, "
         f"in_features {args.in_features}, head dim {HEAD_DIM}"
     )
-    rows = []
+    tflops = {}
     for label, heads in PROJECTIONS:
-        rows += bench_projection(label, heads, x, offsets, configs)
-        for row in rows[-2 * len(configs) - 3 :]:
-            print(f"{row[0]:20s} {row[1]:38s} {row[2] * 1e3:9.1f} us {row[3]:7.1f} TFLOP/s")
+        tflop = 2 * args.tokens * args.in_features * heads * HEAD_DIM / 1e12
+        for variant, ms in bench_projection(heads, x, offsets, configs).items():
+            tflops[label, variant] = tflop / ms * 1e3
+            print(f"{label:20s} {variant:36s} {ms * 1e3:9.1f} us {tflops[label, variant]:7.1f} TFLOP/s")
 
-    print(f"\nSummary (target: fused >= {TARGET:.0%} of plain, same kernel and tiles)")
+    print(f"\nSummary, TFLOP/s (target: fused >= {TARGET:.0%} of plain, the same kernel and tiles)")
     print(
-        f"{'projection':20s} {'config':24s} {'fused':>8s} {'plain':>8s} {'cuBLAS':>8s} {'fused/plain':>12s} "
+        f"{'projection':20s} {'config':20s} {'fused':>7s} {'plain':>7s} {'cuBLAS':>7s} {'fused/plain':>12s} "
         f"{'fused/cuBLAS':>13s}"
     )
     for label, _ in PROJECTIONS:
-        tflops = {variant: t for lab, variant, _, t in rows if lab == label}
+        cublas = tflops[label, CUBLAS]
         for config in configs:
-            name = config_name(config)
-            fused, plain, cublas = tflops[f"fused  {name}"], tflops[f"plain  {name}"], tflops["cuBLAS x @ w.T"]
+            fused, plain = tflops[label, f"fused {config.name}"], tflops[label, f"plain {config.name}"]
             verdict = "ok" if fused >= TARGET * plain else "BELOW TARGET"
             print(
-                f"{label:20s} {name:24s} {fused:8.1f} {plain:8.1f} {cublas:8.1f} {fused / plain:11.1%} "
-                f"{fused / cublas:12.1%}  {verdict}"
+                f"{label:20s} {config.name:20s} {fused:7.1f} {plain:7.1f} {cublas:7.1f} {fused / plain:12.1%} "
+                f"{fused / cublas:13.1%}  {verdict}"
             )
 
 
