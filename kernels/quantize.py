@@ -78,26 +78,12 @@ def _slot_table_kernel(offsets, table, SLOTS_PER_STEP: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(
-    values,
-    slot_table,
-    feature_data,
-    feature_scales,
-    sequence_data,
-    sequence_scales,
-    nonfinite,
-    scale_bytes_per_head,
-    n_slots,
-    HEADS: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CHANNEL_TILES: tl.constexpr,
-    FEATURE: tl.constexpr,
-    SEQUENCE: tl.constexpr,
-    FLOOR: tl.constexpr,
-    CHECK_FINITE: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+def program_tile(slot_table, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where this program's tile of ``values [total, HEADS, D]`` lies: (slot, head, token [128]: the
+    token each tile row holds, counted from the slot's first; row [128]: its row in ``values``;
+    in_slot [128]: rows that hold a token; channels [BLOCK_D]; element [128, BLOCK_D]: offsets in
+    ``values``; inside [128, BLOCK_D]: elements in bounds).
+    """
     pid = tl.program_id(0)
     slot = (pid // HEADS).to(tl.int64)
     head = pid % HEADS
@@ -109,14 +95,43 @@ def _quantize_kernel(
     # maxima need fewer exchanges and fewer threads repeat each block's math (any layout is correct).
     rows = tl.arange(0, 128)
     token = (rows % 32) * 4 + rows // 32
+    row = first_row + token
+    in_slot = token < tokens
     channels = tl.arange(0, BLOCK_D)
-    inside = (token < tokens)[:, None]
+    inside = in_slot[:, None]
     if BLOCK_D != D:
         inside = inside & (channels < D)[None, :]
-    element = (first_row + token)[:, None] * (HEADS * D) + head * D + channels[None, :]
-    x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
-    head_scales = head.to(tl.int64) * scale_bytes_per_head
+    element = row[:, None] * (HEADS * D) + head * D + channels[None, :]
+    return slot, head, token, row, in_slot, channels, element, inside
 
+
+@triton.jit
+def store_mxfp8(
+    x,
+    slot,
+    head,
+    token,
+    channels,
+    element,
+    inside,
+    feature_data,
+    feature_scales,
+    sequence_data,
+    sequence_scales,
+    nonfinite,
+    scale_bytes_per_head,
+    n_slots,
+    BLOCK_D: tl.constexpr,
+    CHANNEL_TILES: tl.constexpr,
+    FEATURE: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Quantize the fp32 tile ``x [128, BLOCK_D]`` placed by :func:`program_tile` (elements outside
+    hold 0) and store its e4m3 data and scale bytes for each requested axis; flag NaN/Inf in ``nonfinite``."""
+    head_scales = head.to(tl.int64) * scale_bytes_per_head
     if FEATURE:
         # Blocks of 32 channels of one token; scale row = the token's padded row, column = block.
         blocks = tl.reshape(x, (128, BLOCK_D // 32, 32))
@@ -143,6 +158,36 @@ def _quantize_kernel(
         tl.store(nonfinite, largest, mask=~(largest <= FLOAT32_MAX))
 
 
+@triton.jit
+def _quantize_kernel(
+    values,
+    slot_table,
+    feature_data,
+    feature_scales,
+    sequence_data,
+    sequence_scales,
+    nonfinite,
+    scale_bytes_per_head,
+    n_slots,
+    HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHANNEL_TILES: tl.constexpr,
+    FEATURE: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    slot, head, token, _, _, channels, element, inside = program_tile(slot_table, HEADS, D, BLOCK_D)
+    x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
+    store_mxfp8(
+        x, slot, head, token, channels, element, inside,
+        feature_data, feature_scales, sequence_data, sequence_scales, nonfinite, scale_bytes_per_head, n_slots,
+        BLOCK_D, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
+    )
+
+
 def slot_table(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``[padded_total / 128, 2]``: (first token row, token count) of every 128-token slot."""
     batch = offsets.numel() - 1
@@ -162,6 +207,18 @@ def empty_outputs(values: torch.Tensor, offsets: torch.Tensor, axis: str) -> tup
 
 def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None, num_warps: int = NUM_WARPS):
     """Quantize ``values [total, H, D]`` into ``outputs`` (axis -> (data, scales) from :func:`empty_outputs`)."""
+    launch_per_tile(_quantize_kernel, (values,), values, offsets, outputs, rounding, nonfinite, num_warps)
+
+
+def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: str, nonfinite, num_warps: int,
+                    **options):
+    """Launch a kernel built on :func:`program_tile` and :func:`store_mxfp8`, one program per
+    (128-token slot, head) of ``values [total, H, D]``.
+
+    The kernel takes ``*leading``, then the slot table and the arguments of :func:`store_mxfp8`
+    (``outputs``: axis -> (data, scales) from :func:`empty_outputs`), then ``HEADS``, ``D``,
+    ``BLOCK_D``; ``options``: further constexprs or launch options.
+    """
     total, heads, dim = values.shape
     table = slot_table(offsets, total)
     feature = outputs.get("feature", (None, None))
@@ -169,8 +226,8 @@ def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None,
     scale_bytes_per_head = next(iter(outputs.values()))[1].shape[1]  # the same for both axes
     if table.shape[0] == 0 or heads == 0:
         return
-    _quantize_kernel[(table.shape[0] * heads,)](
-        values,
+    kernel[(table.shape[0] * heads,)](
+        *leading,
         table,
         *feature,
         *sequence,
@@ -187,7 +244,14 @@ def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None,
         CHECK_FINITE=nonfinite is not None,
         INTERPRET=INTERPRETED,
         num_warps=num_warps,
+        **options,
     )
+
+
+def check_axes(axes) -> None:
+    """Raise ValueError unless ``axes`` is a non-empty sequence of distinct names from ``AXES``."""
+    if not axes or any(axis not in AXES for axis in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axes must be distinct names from {AXES}, got {axes!r}")
 
 
 def quantize_mxfp8_kernel(
@@ -206,8 +270,7 @@ def quantize_mxfp8_kernel(
     ``nonfinite``: optional float32 ``[1]`` holding 0, set to NaN or Inf if ``values`` holds any
     (the scales are then meaningless).
     """
-    if not axes or any(axis not in AXES for axis in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"axes must be distinct names from {AXES}, got {axes!r}")
+    check_axes(axes)
     values, offsets = values.contiguous(), offsets.contiguous()
     outputs = {axis: empty_outputs(values, offsets, axis) for axis in axes}
     quantize_into(values, offsets, outputs, mx_format.check_rounding(rounding), nonfinite)

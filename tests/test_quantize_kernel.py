@@ -170,16 +170,9 @@ def test_bad_axes_raise():
             qk.quantize_mxfp8_kernel(values, offsets, axes=axes)
 
 
-def test_compiles_for_sm90_with_hardware_e4m3_conversion():
-    pointers = {
-        "values": "*bf16",
-        "slot_table": "*i64",
-        "feature_data": "*fp8e4nv",
-        "feature_scales": "*u8",
-        "sequence_data": "*fp8e4nv",
-        "sequence_scales": "*u8",
-        "nonfinite": "*fp32",
-    }
+def compile_per_tile_kernel(module: str, kernel: str, leading: dict, **constexprs) -> str:
+    """sm_90 PTX of a kernel launched by ``qk.launch_per_tile`` (``leading``: its first arguments, name ->
+    Triton type), for both axes, rceil, the finite check, 8 heads of D 128, and further ``constexprs``."""
     constexprs = {
         "HEADS": 8,
         "D": 128,
@@ -190,9 +183,25 @@ def test_compiles_for_sm90_with_hardware_e4m3_conversion():
         "FLOOR": False,
         "CHECK_FINITE": True,
         "INTERPRET": False,
+        **constexprs,
     }
-    signature = {**pointers, "scale_bytes_per_head": "i64", "n_slots": "i64", **dict.fromkeys(constexprs, "constexpr")}
-    ptx = compile_ptx("jagged_attn.kernels.quantize", "_quantize_kernel", signature, constexprs, num_warps=qk.NUM_WARPS)
+    signature = {
+        **leading,
+        "slot_table": "*i64",
+        "feature_data": "*fp8e4nv",
+        "feature_scales": "*u8",
+        "sequence_data": "*fp8e4nv",
+        "sequence_scales": "*u8",
+        "nonfinite": "*fp32",
+        "scale_bytes_per_head": "i64",
+        "n_slots": "i64",
+        **dict.fromkeys(constexprs, "constexpr"),
+    }
+    return compile_ptx(module, kernel, signature, constexprs, num_warps=qk.NUM_WARPS)
+
+
+def test_compiles_for_sm90_with_hardware_e4m3_conversion():
+    ptx = compile_per_tile_kernel("jagged_attn.kernels.quantize", "_quantize_kernel", {"values": "*bf16"})
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx  # amax / 448 rounded exactly, as torch divides
     assert "max.NaN.f32" in ptx  # NaN survives the block maxima, so it can be flagged

@@ -1,0 +1,174 @@
+"""Fused RMSNorm + jagged MXFP8 quantization in one read of the input (Triton).
+
+``rms_norm_quantize`` normalizes every (token, head) row of ``x [total, H, D]`` over D, as
+``torch.nn.RMSNorm(D)`` does for the q/k heads of a QK-norm layer, and writes from one read of
+``x``: the normalized rows (optional), the fp32 ``rstd`` the backward needs, and the MXFP8 data and
+tiled scales for each requested axis.
+
+The numbers, exactly:
+
+* in fp32: ``rstd = 1 / sqrt(sum(x^2) / D + eps)`` (division and square root rounded to nearest)
+  and ``y = (x * rstd) * weight``;
+* ``normalized = y`` rounded to nearest-even in ``x``'s dtype;
+* the MXFP8 is quantized from ``normalized`` (not from the fp32 ``y``), so
+  ``mx[axis]`` equals ``jagged_attn.quantize_mxfp8(normalized, offsets, axis=axis, rounding=...)``
+  bit for bit.
+
+``normalized`` and ``rstd`` match ``torch.nn.functional.rms_norm`` computed in fp32 up to fp32
+rounding (the order of the sum of squares differs), i.e. within one unit in the last place of
+``x``'s dtype.
+
+The work split, the slot table and the MX store path are those of ``kernels/quantize.py``: one
+program per head of one 128-token tile of one sequence, all D channels, so a row's statistics and
+its 32-token sequence-axis blocks are all inside one program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_attn import mx_format
+from jagged_attn.mxfp8 import HIGH_PRECISION_DTYPES, MXFP8Jagged, check_finite, check_values
+from jagged_attn.offsets import validate_offsets
+
+from . import quantize
+from .quantize import NUM_WARPS, program_tile, store_mxfp8
+
+BF16_ROUNDING_BIAS = 0x7FFF  # added to fp32 bits below the 16 bf16 keeps: rounds to nearest (ties to even with the lsb)
+BF16_KEPT_BITS = -65536  # 0xFFFF0000 as int32: sign, exponent and the 7 mantissa bits of bf16
+# Two 8-warp programs per SM, so that one loads while the other computes. Left free, ptxas (sm_90)
+# takes ~165 registers, which leaves one program per SM; in 128 it spills at most 24 bytes.
+MAX_REGISTERS = 128
+
+
+@triton.jit
+def rounded_to(y, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``y`` rounded to nearest-even in ``dtype``, returned as fp32 (which holds that value exactly)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        # The interpreter's fp32 -> bf16 cast truncates: round on the bits instead.
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + BF16_ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_KEPT_BITS
+        return bits.to(tl.float32, bitcast=True)
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_quantize_kernel(
+    values,
+    weight,
+    normalized,
+    rstd,
+    eps,
+    slot_table,
+    feature_data,
+    feature_scales,
+    sequence_data,
+    sequence_scales,
+    nonfinite,
+    scale_bytes_per_head,
+    n_slots,
+    HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHANNEL_TILES: tl.constexpr,
+    FEATURE: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    STORE_NORMALIZED: tl.constexpr,
+):
+    slot, head, token, row, in_slot, channels, element, inside = program_tile(slot_table, HEADS, D, BLOCK_D)
+    # Offsets known contiguous in runs of 8 only: then the bf16 and e4m3 tiles get the same register
+    # layout (8 elements per thread), and the normalized store needs no exchange through shared memory.
+    element = element // 8 * 8 + element % 8
+    x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
+    w = tl.load(weight + channels, mask=channels < D, other=0.0).to(tl.float32)
+
+    mean_square = tl.div_rn(tl.sum(x * x, axis=1), D)
+    row_rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
+    tl.store(rstd + row * HEADS + head, row_rstd, mask=in_slot)
+
+    y = rounded_to(x * row_rstd[:, None] * w[None, :], values.dtype.element_ty, INTERPRET)
+    if STORE_NORMALIZED:
+        tl.store(normalized + element, y.to(values.dtype.element_ty), mask=inside)
+    store_mxfp8(
+        y, slot, head, token, channels, element, inside,
+        feature_data, feature_scales, sequence_data, sequence_scales, nonfinite, scale_bytes_per_head, n_slots,
+        BLOCK_D, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
+    )
+
+
+def rms_norm_quantize_into(x, weight, offsets, outputs: dict, normalized, rstd, *, eps: float, rounding: str,
+                           nonfinite=None, num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS):
+    """Kernel launch only (no checks): contiguous ``x [total, H, D]``, ``weight [D]``; ``outputs``: axis ->
+    (data, scales) from ``quantize.empty_outputs``; ``normalized`` like ``x`` or None; ``rstd``
+    fp32 ``[total, H]``; ``nonfinite``: optional fp32 ``[1]`` holding 0, set to NaN/Inf if the
+    normalized values hold any; ``max_registers``: per thread (None: as ptxas likes)."""
+    quantize.launch_per_tile(
+        _rms_norm_quantize_kernel, (x, weight, normalized, rstd, eps), x, offsets, outputs, rounding, nonfinite,
+        num_warps, maxnreg=max_registers, STORE_NORMALIZED=normalized is not None,
+    )
+
+
+def rms_norm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    axes=("feature",),
+    rounding: str = "rceil",
+    return_normalized: bool = True,
+) -> tuple[dict[str, MXFP8Jagged], torch.Tensor | None, torch.Tensor]:
+    """RMSNorm over the last dim of jagged ``x`` fused with its MXFP8 quantization, in one read of ``x``.
+
+    Args:
+        x: bf16/fp16/fp32 ``[total, H, D]``, D a multiple of 32.
+        weight: bf16/fp16/fp32 ``[D]`` (the RMSNorm gain), on ``x``'s device.
+        offsets: int32/int64 ``[B + 1]`` (the jagged convention), on ``x``'s device.
+        axes: non-empty subset of ``("feature", "sequence")``; all are written from the same read.
+        rounding: ``"rceil"`` or ``"floor"`` (``mx_format``'s scale rule).
+        return_normalized: also write the normalized values.
+
+    Returns ``(mx, normalized, rstd)``: ``mx`` maps each axis to an ``MXFP8Jagged`` equal, bit for
+    bit, to ``quantize_mxfp8(normalized, offsets, axis=axis, rounding=rounding)``; ``normalized`` in
+    ``x``'s dtype ``[total, H, D]`` (None unless ``return_normalized``); ``rstd`` fp32 ``[total, H]``.
+    See the module docstring for the exact rounding. Runs the Triton kernel (in the interpreter
+    when ``TRITON_INTERPRET=1``). Raises ValueError/TypeError on bad input before any work, and
+    ValueError afterwards if the normalized values hold NaN or Inf (as ``quantize_mxfp8`` does).
+    """
+    quantize.check_axes(axes)
+    mx_format.check_rounding(rounding)
+    _check_inputs(x, weight, offsets)
+    x, weight, offsets = x.contiguous(), weight.contiguous(), offsets.contiguous()
+    outputs = {axis: quantize.empty_outputs(x, offsets, axis) for axis in axes}
+    normalized = torch.empty_like(x) if return_normalized else None
+    rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
+    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
+    rms_norm_quantize_into(x, weight, offsets, outputs, normalized, rstd, eps=float(eps), rounding=rounding,
+                           nonfinite=nonfinite)
+    check_finite(nonfinite, "normalized x")
+    mx = {
+        axis: MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+        for axis, (data, scales) in outputs.items()
+    }
+    return mx, normalized, rstd
+
+
+def _check_inputs(x, weight, offsets) -> None:
+    check_values(x, "x", finite=False)  # the normalized values are checked instead
+    if x.dim() != 3:
+        raise ValueError(f"x must be [total, heads, D], got shape {tuple(x.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"weight must be float32, bfloat16 or float16, got {weight.dtype}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) (x's last dim), got {tuple(weight.shape)}")
+    validate_offsets(offsets, x.shape[0], "offsets")
+    if not (weight.device == offsets.device == x.device):
+        raise ValueError(f"x, weight and offsets must be on one device, got {x.device}, {weight.device}, "
+                         f"{offsets.device}")
