@@ -34,6 +34,7 @@ from jagged_attn.mxfp8 import HIGH_PRECISION_DTYPES, MXFP8Jagged, check_finite, 
 from jagged_attn.offsets import validate_offsets
 
 from . import quantize
+from .interpreter import INTERPRETED
 from .quantize import NUM_WARPS, program_tile, store_mxfp8
 
 BF16_ROUNDING_BIAS = 0x7FFF  # added to fp32 bits below the 16 bf16 keeps: rounds to nearest (ties to even with the lsb)
@@ -136,8 +137,8 @@ def rms_norm_quantize(
     Returns ``(mx, normalized, rstd)``: ``mx`` maps each axis to an ``MXFP8Jagged`` equal, bit for
     bit, to ``quantize_mxfp8(normalized, offsets, axis=axis, rounding=rounding)``; ``normalized`` in
     ``x``'s dtype ``[total, H, D]`` (None unless ``return_normalized``); ``rstd`` fp32 ``[total, H]``.
-    See the module docstring for the exact rounding. Runs the Triton kernel (in the interpreter
-    when ``TRITON_INTERPRET=1``). Raises ValueError/TypeError on bad input before any work, and
+    See the module docstring for the exact rounding. Runs the Triton kernel: CUDA tensors, or any
+    tensors in the interpreter (``TRITON_INTERPRET=1``). Raises ValueError/TypeError on bad input before any work, and
     ValueError afterwards if the normalized values hold NaN or Inf (as ``quantize_mxfp8`` does).
     """
     quantize.check_axes(axes)
@@ -172,3 +173,5 @@ def _check_inputs(x, weight, offsets) -> None:
     if not (weight.device == offsets.device == x.device):
         raise ValueError(f"x, weight and offsets must be on one device, got {x.device}, {weight.device}, "
                          f"{offsets.device}")
+    if not (x.is_cuda or INTERPRETED):
+        raise ValueError(f"x is on {x.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")

@@ -192,6 +192,12 @@ def test_bad_inputs_raise(change, error, match):
         rq.rms_norm_quantize(**arguments)
 
 
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setattr(rq, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        rq.rms_norm_quantize(torch.randn(4, 1, 32), torch.ones(32), torch.tensor([0, 4]))
+
+
 def test_compiles_for_sm90():
     leading = {"values": "*bf16", "weight": "*bf16", "normalized": "*bf16", "rstd": "*fp32", "eps": "fp32"}
     ptx = compile_per_tile_kernel(
