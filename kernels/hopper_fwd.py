@@ -35,6 +35,7 @@ from .rebase import (
     quantize_rebase_sequence,
     rebase_feature,
     rebase_sequence,
+    dequantized_feature_rows,
     rebased_feature_rows,
     scale_args,
 )
@@ -89,7 +90,7 @@ def _attend_tiles(
         else:
             k = tl.load(k_block)
         if SCORES == "bf16":
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         elif SCORES == "fp8-promoted":
             s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP)
         else:
@@ -157,27 +158,15 @@ def _attention_forward_kernel(
     row0 = tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     in_seq = rows < len_q
-    q_tile, q_byte = rebased_feature_rows(
-        q,
-        q_scales,
-        head,
-        seq,
-        q_start,
-        len_q,
-        rows,
-        q_scale_bytes_per_head,
-        q_col_tiles,
-        HEADS_Q,
-        D,
-        BLOCK_M,
-        1,
-        Q_FROM_HIGH_PRECISION,
-        Q_FLOOR,
-        INTERPRET,
-    )
-    row_scale = layout.scale_value(q_byte) * scale_log2
-    if SCORES == "bf16":  # e4m3 converts exactly; Triton 3.6's interpreter gets bf16 dots wrong, so it uses fp32
-        q_tile = q_tile.to(tl.float32 if INTERPRET else tl.bfloat16)
+    if SCORES == "bf16":
+        q_tile = dequantized_feature_rows(q, q_scales, head, seq, q_start, len_q, rows, q_scale_bytes_per_head,
+                                          q_col_tiles, HEADS_Q, D, BLOCK_M, Q_FROM_HIGH_PRECISION, Q_FLOOR, INTERPRET)
+        row_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32) * scale_log2
+    else:
+        q_tile, q_byte = rebased_feature_rows(q, q_scales, head, seq, q_start, len_q, rows, q_scale_bytes_per_head,
+                                              q_col_tiles, HEADS_Q, D, BLOCK_M, 1, Q_FROM_HIGH_PRECISION, Q_FLOOR,
+                                              INTERPRET)
+        row_scale = layout.scale_value(q_byte) * scale_log2
     k_block = tl.make_block_ptr(
         k + k_start * (HEADS_KV * D) + kv_head * D,
         shape=(len_k, D),
@@ -338,7 +327,7 @@ def attention_forward(
     keys (default: its values).
     """
     config = tile_config(q.head_dim) if config is None else config
-    k8, k_factor = rebase_feature(k, group=config["BLOCK_N"])
+    k8, k_factor = rebase_feature(k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     vt, v_exponent = rebase_sequence(v)
     return _forward(
         q.data,
@@ -356,10 +345,15 @@ def attention_forward(
     )
 
 
-def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None):
+def attention_forward_hp(
+    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, config=None
+):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
-    k8, k_factor = quantize_rebase_feature(k, offsets_k, group=tile_config(k.shape[-1])["BLOCK_N"])
+    config = tile_config(q.shape[-1]) if config is None else config
+    k8, k_factor = quantize_rebase_feature(
+        k, offsets_k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"
+    )
     vt, v_exponent = quantize_rebase_sequence(v, offsets_k)
     return _forward(
         q,
@@ -373,4 +367,5 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
         causal=causal,
         softmax_scale=softmax_scale,
         out_dtype=q.dtype if out_dtype is None else out_dtype,
+        config=config,
     )

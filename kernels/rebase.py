@@ -10,7 +10,9 @@ non-reduced index, in a single pass over the data:
   re-rounded to e4m3. A shift by a power of two is exact unless the element drops below e4m3's
   smallest normal (2^-6): only elements far below the group's largest block round, and their
   absolute error stays below the rounding error of the group's largest elements.
-  Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``.
+  Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``. The ``exact`` form
+  (for S from a bf16 MMA) skips the shift: each element becomes its MX value in bf16, which holds
+  every e4m3 value times a power of two exactly, and the factors are 1.
 * sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
   blocks, the same shift is applied, and the data is stored transposed, ``[H, D, padded_total]``
   with tokens contiguous, so that P·V reads V K-major. Token ``i`` of sequence ``b`` sits at
@@ -55,16 +57,15 @@ def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def rebased_feature_rows(
+def feature_rows(
     src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Rows ``rows`` (a run of BLOCK_T starting at a multiple of GROUP) of one head of a feature-axis
-    operand, rebased: (e4m3 ``[BLOCK_T, D]``, int32 exponent bytes ``[BLOCK_T / GROUP]`` of the groups).
+    """Rows ``rows`` of one head of a feature-axis operand as MX blocks: (fp32 e4m3 values
+    ``[BLOCK_T, D / 32, 32]``, int32 scale bytes ``[BLOCK_T, D / 32]``); rows past ``length`` are zeros.
 
     ``src`` holds e4m3 data with its tiled ``scales``, or high-precision values quantized here.
-    Rows past ``length`` come back as zeros.
     """
     x = tl.reshape(_load_rows(src, head, start, rows, length, HEADS, D), (BLOCK_T, D // 32, 32))
     if FROM_HIGH_PRECISION:
@@ -76,6 +77,19 @@ def rebased_feature_rows(
         where = layout.scale_byte_offset(padded_rows[:, None], blocks[None, :], n_col_tiles)
         in_seq = (rows < length)[:, None]
         byte = tl.load(scales + head.to(tl.int64) * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
+    return x, byte
+
+
+@triton.jit
+def rebased_feature_rows(
+    src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """:func:`feature_rows` (``rows`` a run of BLOCK_T starting at a multiple of GROUP) rebased:
+    (e4m3 ``[BLOCK_T, D]``, int32 exponent bytes ``[BLOCK_T / GROUP]`` of the groups)."""
+    x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+                           HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
     group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
     rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
@@ -83,10 +97,24 @@ def rebased_feature_rows(
 
 
 @triton.jit
+def dequantized_feature_rows(
+    src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """:func:`feature_rows` as their exact MX values ``[BLOCK_T, D]`` in bf16 (an e4m3 value times a
+    power of two always fits bf16), or fp32 when interpreted (Triton 3.6's interpreter gets bf16 dots wrong)."""
+    x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+                           HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
+    values = tl.reshape(x * layout.scale_value(byte)[:, :, None], (BLOCK_T, D))
+    return values.to(tl.float32 if INTERPRET else tl.bfloat16)
+
+
+@triton.jit
 def _rebase_feature_kernel(
     src, scales, offsets, work, dst, factor, n_groups, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0)
     head = tl.program_id(1)
@@ -96,13 +124,21 @@ def _rebase_feature_kernel(
     tile = tl.load(work + 2 * slot + 1)
     start, length = layout.sequence_span(offsets, seq)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    rebased, group_byte = rebased_feature_rows(
-        src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
-        HEADS, D, BLOCK_T, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
-    )
-    tl.store(dst + _row_elements(head, start, rows, HEADS, D), rebased, mask=(rows < length)[:, None])
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
-    tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
+    if EXACT:
+        rebased = dequantized_feature_rows(
+            src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
+        )
+        group_factor = tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32)
+    else:
+        rebased, group_byte = rebased_feature_rows(
+            src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+            HEADS, D, BLOCK_T, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
+        )
+        group_factor = layout.scale_value(group_byte)
+    tl.store(dst + _row_elements(head, start, rows, HEADS, D), rebased, mask=(rows < length)[:, None])
+    tl.store(factor + head.to(tl.int64) * n_groups + groups, group_factor)
 
 
 @triton.jit
@@ -197,12 +233,13 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
     return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
-def _rebase_feature(values, offsets, mx, rounding, group):
+def _rebase_feature(values, offsets, mx, rounding, group, exact):
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
     n_groups = padded_total(total, offsets.numel() - 1) // group
-    data = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=values.device)
+    dtype = (torch.float32 if fp8.INTERPRETED else torch.bfloat16) if exact else torch.float8_e4m3fn
+    data = torch.empty(values.shape, dtype=dtype, device=values.device)
     factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
     work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
@@ -210,7 +247,7 @@ def _rebase_feature(values, offsets, mx, rounding, group):
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
             HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, GROUP=group, FROM_HIGH_PRECISION=mx is None,
-            FLOOR=rounding == "floor", INTERPRET=fp8.INTERPRETED,
+            FLOOR=rounding == "floor", EXACT=exact, INTERPRET=fp8.INTERPRETED,
         )
     return data, factor
 
@@ -237,20 +274,22 @@ def _rebase_sequence(values, offsets, mx, rounding):
     return transposed, exponent
 
 
-def rebase_feature(mx: MXFP8Jagged, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Feature-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[total, H, D]``, fp32 factors ``[H, padded_total / group]``).
 
     Tokens share one exponent per ``group`` consecutive tokens of a sequence (counted from its
     start; ``group`` divides 128). The factor of token ``i`` of sequence ``b`` sits at index
-    ``(padded_seq_start(offsets[b], b) + i) // group``.
+    ``(padded_seq_start(offsets[b], b) + i) // group``. With ``exact`` the data are the exact MX
+    values in bf16 (fp32 when interpreted) and every factor is 1.
     """
-    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group)
+    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group, exact)
 
 
-def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1):
-    """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group)``,
+def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1,
+                            exact: bool = False):
+    """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group, exact)``,
     in one pass over bf16/fp16/fp32 ``values [total, H, D]``."""
-    return _rebase_feature(values, offsets, None, mx_format.check_rounding(rounding), group)
+    return _rebase_feature(values, offsets, None, mx_format.check_rounding(rounding), group, exact)
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,8 @@ KINDS = ["gaussian", "outlier_channel", "heavy_tailed", "peaked"]
 
 def forward(mq, mk, mv, causal, scale, variant, out_dtype):
     config = dict(hopper_fwd.tile_config(mq.head_dim), **variant)
-    rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"]), *rebase.rebase_sequence(mv))
+    rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"),
+               *rebase.rebase_sequence(mv))
     return lambda: hopper_fwd._forward(mq.data, mq, *rebased, mq.offsets, mk.offsets, causal=causal,
                                        softmax_scale=scale, out_dtype=out_dtype, config=config)
 

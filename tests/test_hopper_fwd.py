@@ -157,13 +157,13 @@ def test_forward_score_variants_match_reference(poisoned, scores):
     check_against_reference(*forward_and_reference(mq, mk, mv, True, 0.125, config))
 
 
-def test_forward_high_precision_equals_quantize_then_forward(poisoned):
+@pytest.mark.parametrize("scores", ["fp8", "bf16"])
+def test_forward_high_precision_equals_quantize_then_forward(poisoned, scores):
     q, k, v, offsets_q, offsets_k = make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64, dtype=torch.bfloat16)
-    out, lse = hopper_fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=True, softmax_scale=0.125)
+    options = dict(causal=True, softmax_scale=0.125, config=dict(hopper_fwd.tile_config(64), SCORES=scores))
+    out, lse = hopper_fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, **options)
     assert out.dtype == torch.bfloat16
-    mx_out, mx_lse = hopper_fwd.attention_forward(
-        *quantized(q, k, v, offsets_q, offsets_k), causal=True, softmax_scale=0.125
-    )
+    mx_out, mx_lse = hopper_fwd.attention_forward(*quantized(q, k, v, offsets_q, offsets_k), **options)
     assert torch.equal(out, mx_out) and torch.equal(lse, mx_lse)
 
 
@@ -207,6 +207,8 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
     """Every MMA is FP8 wgmma; with SCORES="bf16", S's is a bf16 wgmma instead."""
     signature, constexprs = _kernel_signature("*bf16")
     constexprs["SCORES"] = scores
+    if scores == "bf16":
+        signature["k"] = "*bf16"  # K comes as its exact MX values (rebase_feature(..., exact=True))
     config = hopper_fwd.tile_config(128)
     ptx = compile_ptx(
         "jagged_attn.kernels.hopper_fwd",
