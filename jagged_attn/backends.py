@@ -10,7 +10,10 @@ Every backend offers the same three entry points:
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
 
 ``reference`` is the spec in plain torch (any device); ``triton`` is the fast Hopper (sm_90) path;
-``exact`` is the spec-exact ``tl.dot_scaled`` path (native block-scaled MMA on sm_100+).
+``triton-precise`` is the same with S = QK^T exact (a bf16 MMA on the MX values instead of FP8
+wgmma's reduced-precision accumulation: within ~3e-3 of the reference on every input kind, at
+0.6x the forward speed at head_dim 128, 0.9x at 64, docs/PERF.md); ``exact`` is the spec-exact
+``tl.dot_scaled`` path (native block-scaled MMA on sm_100+).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from .mxfp8 import quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
-BACKENDS = ("auto", "reference", "triton", "exact")
+BACKENDS = ("auto", "reference", "triton", "triton-precise", "exact")
 
 
 @dataclass(frozen=True)
@@ -64,17 +67,20 @@ def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, s
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-def _kernel_backend(name: str, forward_module: str, backward_module: str) -> Backend:
-    """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use)."""
+def _kernel_backend(name: str, forward_module: str, backward_module: str, **forward_options) -> Backend:
+    """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use); the forward
+    entry points get ``forward_options`` as keywords."""
     fwd = importlib.import_module(f"jagged_attn.kernels.{forward_module}")
     bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
 
     def forward_mx(q, k, v, causal, softmax_scale, out_dtype):
-        return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+        return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
+                                     **forward_options)
 
     def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
         if hasattr(fwd, "attention_forward_hp"):
-            return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale)
+            return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
+                                            **forward_options)
         mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)
         return forward_mx(*mx, causal, softmax_scale, q.dtype)
 
@@ -86,7 +92,12 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str) -> Bac
 
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward)
-_KERNEL_MODULES = {"triton": ("hopper_fwd", "hopper_bwd"), "exact": ("exact", "exact")}
+_KERNEL_BACKENDS = {
+    "triton": ("hopper_fwd", "hopper_bwd", {}),
+    "triton-precise": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}),
+    "exact": ("exact", "exact", {}),
+}
+HOPPER_BACKENDS = ("triton", "triton-precise")
 
 
 def _interpreting() -> bool:
@@ -101,8 +112,8 @@ def check_kernel_device(name: str, device: torch.device) -> None:
         return
     if device.type == "cuda":
         major = torch.cuda.get_device_capability(device)[0]
-        if name == "triton" and major != 9:
-            raise ValueError(f"backend='triton' is the Hopper (sm_90) path; this GPU is sm_{major}0: use 'exact'")
+        if name in HOPPER_BACKENDS and major != 9:
+            raise ValueError(f"backend={name!r} is a Hopper (sm_90) path; this GPU is sm_{major}0: use 'exact'")
         if name == "exact" and major < 9:
             raise ValueError(f"backend='exact' needs sm_90 or newer; this GPU is sm_{major}0")
         return
@@ -123,6 +134,7 @@ def auto_backend_name(device: torch.device) -> str:
 def get_backend(name: str) -> Backend:
     if name == "reference":
         return _REFERENCE
-    if name not in _KERNEL_MODULES:
+    if name not in _KERNEL_BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    return _kernel_backend(name, *_KERNEL_MODULES[name])
+    forward_module, backward_module, forward_options = _KERNEL_BACKENDS[name]
+    return _kernel_backend(name, forward_module, backward_module, **forward_options)

@@ -70,7 +70,8 @@ def jagged_attention(
             Rows that see no key give 0 (and LSE = -inf).
         softmax_scale: defaults to ``1/sqrt(D)``.
         backend: ``"auto"`` (Triton on Hopper, exact on Blackwell, reference elsewhere),
-            ``"reference"``, ``"triton"`` or ``"exact"``.
+            ``"reference"``, ``"triton"``, ``"triton-precise"`` (Hopper, S computed exactly: slower,
+            closer to the reference on inputs with large scores) or ``"exact"``.
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
         deterministic: bit-identical gradients run to run (the ``triton`` backward then skips
             atomics; slower).

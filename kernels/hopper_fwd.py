@@ -44,19 +44,24 @@ from .schedule import work_list
 LOG2E = 1.0 / math.log(2.0)
 LN2 = tl.constexpr(math.log(2.0))
 P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)
+SCORE_MODES = ("fp8", "fp8-promoted", "bf16")
 SCORE_ACC_STEP = tl.constexpr(32)  # k step at which SCORES="fp8-promoted" adds partial sums in fp32
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
 
 
-def tile_config(head_dim: int) -> dict:
+def tile_config(head_dim: int, scores: str = "fp8") -> dict:
     """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/PERF.md): one
     warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
 
     SCORES picks how S = Q K^T is computed: "fp8" is FP8 wgmma with its fast accumulation over all
     of D; "fp8-promoted" adds the partial sums in fp32 every 32-wide k step; "bf16" upcasts the e4m3
     operands (exactly) and runs a bf16 wgmma, so S is exact up to fp32 accumulation, at half the MMA
-    rate for this product. Measured with ``scripts/fwd_precision.py`` (docs/PERF.md)."""
-    return dict(BLOCK_M=64, BLOCK_N=128, SCORES="fp8", num_warps=4, num_stages=3)
+    rate for this product (bf16 K tiles take twice the shared memory: two stages at d128). Measured
+    with ``scripts/fwd_precision.py`` (docs/PERF.md)."""
+    if scores not in SCORE_MODES:
+        raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
+    stages = 2 if scores == "bf16" and head_dim > 64 else 3
+    return dict(BLOCK_M=64, BLOCK_N=128, SCORES=scores, num_warps=4, num_stages=stages)
 
 
 @triton.jit
@@ -316,6 +321,7 @@ def attention_forward(
     causal: bool,
     softmax_scale: float,
     out_dtype=torch.bfloat16,
+    scores="fp8",
     config=None,
 ):
     """Jagged attention of MXFP8 inputs (validated by the caller).
@@ -323,10 +329,10 @@ def attention_forward(
     q, k: feature-axis ``MXFP8Jagged`` (``[total_q, Hq, D]``, ``[total_k, Hkv, D]``); v: sequence-axis,
     offsets equal to k's. Returns (out ``[total_q, Hq, D]`` out_dtype, lse fp32 ``[total_q, Hq]``, natural
     log; rows that see no key get out = 0 and lse = -inf). Causal is bottom-right aligned.
-    K and V are rebased in one pass each; Q is rebased inside the kernel. ``config``: :func:`tile_config`'s
-    keys (default: its values).
+    K and V are rebased in one pass each; Q is rebased inside the kernel. ``scores`` picks how S is
+    computed (:func:`tile_config`); ``config`` overrides all of ``tile_config(D, scores)`` (tuning).
     """
-    config = tile_config(q.head_dim) if config is None else config
+    config = tile_config(q.head_dim, scores) if config is None else config
     k8, k_factor = rebase_feature(k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     vt, v_exponent = rebase_sequence(v)
     return _forward(
@@ -346,11 +352,11 @@ def attention_forward(
 
 
 def attention_forward_hp(
-    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, config=None
+    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, scores="fp8", config=None
 ):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
-    config = tile_config(q.shape[-1]) if config is None else config
+    config = tile_config(q.shape[-1], scores) if config is None else config
     k8, k_factor = quantize_rebase_feature(
         k, offsets_k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"
     )
