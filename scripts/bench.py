@@ -2,8 +2,9 @@
 
 Peers: torch ``varlen_attn`` (FlashAttention-2), cuDNN SDPA (dense workloads only) and
 FlexAttention with a document mask (compiled). Workloads are those of DESIGN.md section 8.
-TFLOP/s count ``4 * sum_b visible(q, k pairs) * D * H`` (backward: 2.5x that). Every timing is
-the median of ``triton.testing.do_bench`` on random (never zero) inputs.
+TFLOP/s count ``4 * sum_b visible(q, k pairs) * D * H`` (backward: 2.5x that; a training step,
+forward + backward through autograd: 3.5x). Every timing is the median of
+``triton.testing.do_bench`` on random (never zero) inputs.
 
     python3 scripts/bench.py --out OUT_DIR [--head-dims 128 64] [--backward] [--no-flex] [--sweep]
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import inspect
 import json
 import math
@@ -26,7 +26,7 @@ import torch
 
 WARMUP_MS, REPEAT_MS = 25, 150
 LLM_SEED, ADS_SEED = 1234, 4321
-BACKWARD_FLOP_FACTOR = 2.5
+FLOP_FACTORS = {"bwd": 2.5, "step": 3.5}  # by the last word of a column name; forward 1
 
 
 def llm_lengths():
@@ -92,15 +92,19 @@ class Workload:
         self.scale = dim**-0.5
         self.flops = 4.0 * visible_pairs(self.len_q, self.len_k, causal) * dim * heads
 
-    def tflops(self, ms, backward=False):
-        return self.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0) / (ms * 1e-3) / 1e12
+    def tflops(self, column, ms):
+        return self.flops * FLOP_FACTORS.get(column.split()[-1], 1.0) / (ms * 1e-3) / 1e12
 
 
-def backward_ms(forward, inputs, dout):
-    """Median ms of the backward alone of ``forward(*inputs)`` through autograd."""
+def backward_and_step_ms(name, forward, inputs, dout):
+    """{"name bwd": median ms of the backward alone of ``forward(*inputs)`` through autograd,
+    "name step": of forward + backward}."""
     leaves = [x.detach().requires_grad_() for x in inputs]
     out = forward(*leaves)
-    return median_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+    return {
+        f"{name} bwd": median_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
+        f"{name} step": median_ms(lambda: torch.autograd.grad(forward(*leaves), leaves, dout)),
+    }
 
 
 # ---- ours -------------------------------------------------------------------------------------
@@ -130,28 +134,21 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
     results["ours bf16 in"] = median_ms(
         lambda: hopper_fwd.attention_forward_hp(w.q, w.k, w.v, w.offsets_q, w.offsets_k, **forward)
     )
+    results["ours precise"] = median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, scores="bf16", **forward))
     if backward:
-        results.update(ours_backward(w, mq, mk, mv))
+        results.update(ours_backward_and_step(w))
     return results
 
 
-def ours_backward(w: Workload, mq, mk, mv):
-    try:
-        hopper_bwd = importlib.import_module("jagged_attn.kernels.hopper_bwd")
-    except ImportError as error:
-        print(f"no backward of ours: {error}")
-        return {}
-    from jagged_attn.kernels import hopper_fwd
+def ours_backward_and_step(w: Workload):
+    """The public ``jagged_attention`` (backend "triton") on bf16 inputs, through autograd."""
+    from jagged_attn import jagged_attention
 
-    out, lse = hopper_fwd.attention_forward_hp(
-        w.q, w.k, w.v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale
-    )
-    ms = median_ms(
-        lambda: hopper_bwd.attention_backward(
-            w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale
-        )
-    )
-    return {"ours bwd": ms}
+    def forward(q, k, v):
+        return jagged_attention(q, k, v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
+                                backend="triton")
+
+    return backward_and_step_ms("ours", forward, (w.q, w.k, w.v), w.dout)
 
 
 # ---- peers ------------------------------------------------------------------------------------
@@ -178,7 +175,7 @@ def varlen_fa2(w: Workload, backward: bool):
 
     results = {"varlen_attn": median_ms(lambda: forward(w.q, w.k, w.v))}
     if backward:
-        results["varlen_attn bwd"] = backward_ms(forward, (w.q, w.k, w.v), w.dout)
+        results.update(backward_and_step_ms("varlen_attn", forward, (w.q, w.k, w.v), w.dout))
     return results
 
 
@@ -199,7 +196,7 @@ def cudnn_sdpa(w: Workload, backward: bool):
 
     results = {"cudnn sdpa": median_ms(lambda: forward(w.q, w.k, w.v))}
     if backward:
-        results["cudnn sdpa bwd"] = backward_ms(forward, (w.q, w.k, w.v), dense(w.dout))
+        results.update(backward_and_step_ms("cudnn sdpa", forward, (w.q, w.k, w.v), dense(w.dout)))
     return results
 
 
@@ -228,7 +225,7 @@ def flex_doc_mask(w: Workload, backward: bool):
     packed = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (w.q, w.k, w.v, w.dout)]
     results = {"flex": median_ms(lambda: forward(*packed[:3]))}
     if backward:
-        results["flex bwd"] = backward_ms(forward, packed[:3], packed[3])
+        results.update(backward_and_step_ms("flex", forward, packed[:3], packed[3]))
     return results
 
 
@@ -257,9 +254,11 @@ def ceilings():
 
 # ---- report -----------------------------------------------------------------------------------
 
-FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "varlen_attn", "cudnn sdpa", "flex"]
-BACKWARD_COLUMNS = ["ours bwd", "varlen_attn bwd", "cudnn sdpa bwd", "flex bwd"]
 BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
+FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "ours precise", *BF16_PEERS]
+BACKWARD_COLUMNS = ["ours bwd", *(c + " bwd" for c in BF16_PEERS)]
+STEP_COLUMNS = ["ours step", *(c + " step" for c in BF16_PEERS)]
+PANELS = [("forward", FORWARD_COLUMNS), ("backward", BACKWARD_COLUMNS), ("training step", STEP_COLUMNS)]
 SWEEP = [
     dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
     for m, n, w, s in ((128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3))
@@ -288,15 +287,17 @@ def plot(rows, path):
         print("matplotlib missing: run `scripts/bench.py --plot bench.json` elsewhere for the chart")
         return
     labels = [f"{r['workload']}\nd{r['head_dim']}" for r in rows]
-    columns = [c for c in FORWARD_COLUMNS if any(c in r["tflops"] for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(rows)), 5))
-    width = 0.8 / len(columns)
-    for i, column in enumerate(columns):
-        values = [r["tflops"].get(column, 0.0) for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], values, width, label=column)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7)
-    ax.set_ylabel("forward TFLOP/s")
-    ax.legend(fontsize=7)
+    panels = [(title, [c for c in columns if any(c in r["tflops"] for r in rows)]) for title, columns in PANELS]
+    panels = [(title, columns) for title, columns in panels if columns]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.6 * len(rows)), 4.5 * len(panels)), squeeze=False)
+    for ax, (title, columns) in zip(axes[:, 0], panels):
+        width = 0.8 / len(columns)
+        for i, column in enumerate(columns):
+            values = [r["tflops"].get(column, 0.0) for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], values, width, label=column)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7)
+        ax.set_ylabel(f"{title} TFLOP/s")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -347,7 +348,7 @@ def main():
                     print(
                         f"{name} d{dim} {getattr(runner, '__name__', 'ours')} failed: {type(error).__name__}: {error}"
                     )
-            tflops = {k: w.tflops(ms, backward=k.endswith("bwd")) for k, ms in measured.items() if " ms" not in k}
+            tflops = {k: w.tflops(k, ms) for k, ms in measured.items() if " ms" not in k}
             rows.append(
                 dict(workload=name, head_dim=dim, heads=heads, causal=causal, flops=w.flops, ms=measured, tflops=tflops)
             )
@@ -377,7 +378,9 @@ def main():
     print(table(rows, FORWARD_COLUMNS, "ours mxfp8", BF16_PEERS))
     if args.backward:
         print("backward TFLOP/s")
-        print(table(rows, BACKWARD_COLUMNS, "ours bwd", [c + " bwd" for c in BF16_PEERS]))
+        print(table(rows, BACKWARD_COLUMNS, "ours bwd", BACKWARD_COLUMNS[1:]))
+        print("training step (forward + backward through autograd) TFLOP/s")
+        print(table(rows, STEP_COLUMNS, "ours step", STEP_COLUMNS[1:]))
 
 
 if __name__ == "__main__":
