@@ -153,11 +153,6 @@ def _linear_kernel(
     n_tiles = tl.cdiv(n_features, BLOCK_N)
     word_channels: tl.constexpr = min(WORD_CHANNELS, D)
     n_col_tiles: tl.constexpr = (D + WORD_CHANNELS - 1) // WORD_CHANNELS
-    if QUANTIZE:
-        if pid >= m_tiles * n_tiles:
-            zero_padding_rows(
-                offsets, scale_words_, pid - m_tiles * n_tiles, n_features // D, words_per_head, n_col_tiles
-            )
     if pid < m_tiles * n_tiles:
         # Grouped order: GROUP_M row tiles sweep the column tiles together.
         tiles_per_group = GROUP_M * n_tiles
@@ -166,6 +161,9 @@ def _linear_kernel(
         tile_m = first_m + pid % tiles_per_group % group_rows
         tile_n = pid % tiles_per_group // group_rows
         k_features = x_desc.shape[1]
+        # The launcher guarantees a non-empty K loop. Without the hint ptxas also zeroes the
+        # accumulator on the path that skips the loop and then serializes the wgmmas (C7515).
+        tl.assume(k_features > 0)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_features, BLOCK_K):
@@ -190,6 +188,7 @@ def _linear_kernel(
             e4m3 = fp8.to_e4m3(blocks * layout.scale_factor(byte)[:, :, None], INTERPRET)
             tl.store(data + element, tl.reshape(e4m3, (BLOCK_M, BLOCK_N)), mask=inside)
 
+            # Scales: one word per (token, head, 128 channels) at the token's row of the padded buffer.
             words: tl.constexpr = BLOCK_N // word_channels
             word = scale_words(byte, BLOCK_M, words, word_channels // 32)
             channel = tile_n * BLOCK_N + word_channels * tl.arange(0, words)
@@ -200,6 +199,8 @@ def _linear_kernel(
 
             # Flag a non-finite block maximum without reducing the tile: the mask is almost always all false.
             tl.store(nonfinite + tl.zeros_like(byte), amax, mask=~(amax <= FLOAT32_MAX))
+    elif QUANTIZE:  # the ``batch`` programs after the tiles
+        zero_padding_rows(offsets, scale_words_, pid - m_tiles * n_tiles, n_features // D, words_per_head, n_col_tiles)
 
 
 def _check_operands(x, weight, bias):
