@@ -50,7 +50,7 @@ def check_linear_quantize(x, weight, bias, offsets, heads, rounding="rceil", con
     assert y.shape == mx.data.shape == (total, heads, weight.shape[0] // heads)
     assert_projection_close(y.view(total, -1), x, weight, bias)
     expected = quantize_mxfp8(y, offsets, rounding=rounding)
-    assert (mx.axis, mx.rounding, mx.offsets) == ("feature", rounding, offsets)
+    assert (mx.axis, mx.rounding) == ("feature", rounding) and torch.equal(mx.offsets, offsets)
     assert_data_identical(mx.data, expected.data)
     assert_scales_identical(mx.scales.view(torch.uint8), expected.scales.view(torch.uint8))
     return mx, y
