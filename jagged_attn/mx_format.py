@@ -47,7 +47,10 @@ def scale_bytes(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
     """int32 E8M0 bytes for float32 block maxima ``amax`` (>= 0, finite)."""
     amax = amax.to(torch.float32)
     if check_rounding(rounding) == "rceil":
-        return rceil_scale_byte((amax / E4M3_MAX).view(torch.int32))
+        # A tensor divisor: torch on CUDA divides by a Python scalar as a multiplication by its
+        # rounded reciprocal, which can land one ulp off the correctly rounded quotient (the byte
+        # of a block at the subnormal edge then differs from the kernels' division).
+        return rceil_scale_byte((amax / torch.full_like(amax, E4M3_MAX)).view(torch.int32))
     return floor_scale_byte(amax.view(torch.int32))
 
 
