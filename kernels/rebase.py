@@ -116,14 +116,10 @@ def _rebase_feature_kernel(
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    slot = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(work + 2 * slot)
+    seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
     if seq < 0:
         return
-    tile = tl.load(work + 2 * slot + 1)
-    start, length = layout.sequence_span(offsets, seq)
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
     if EXACT:
         rebased = dequantized_feature_rows(
@@ -139,6 +135,17 @@ def _rebase_feature_kernel(
         group_factor = layout.scale_value(group_byte)
     tl.store(dst + _row_elements(head, start, rows, HEADS, D), rebased, mask=(rows < length)[:, None])
     tl.store(factor + head.to(tl.int64) * n_groups + groups, group_factor)
+
+
+@triton.jit
+def _claimed_tile(work, offsets, BLOCK_T: tl.constexpr):
+    """(sequence, tile, sequence start, sequence length, the tile's rows) of this program's slot of
+    ``schedule.work_list``; sequence -1 marks an unused slot (the rest is then meaningless)."""
+    slot = tl.program_id(0)
+    seq = tl.load(work + 2 * slot)
+    tile = tl.load(work + 2 * slot + 1)
+    start, length = layout.sequence_span(offsets, tl.maximum(seq, 0))
+    return seq, tile, start, length, tile * BLOCK_T + tl.arange(0, BLOCK_T)
 
 
 @triton.jit
@@ -200,14 +207,10 @@ def _rebase_sequence_kernel(
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    slot = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(work + 2 * slot)
+    seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
     if seq < 0:
         return
-    tile = tl.load(work + 2 * slot + 1)
-    start, length = layout.sequence_span(offsets, seq)
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     x = _load_rows(src, head, start, rows, length, HEADS, D)
     if FROM_HIGH_PRECISION:
         byte = _sequence_bytes_of_values(x, BLOCK_T, D, FLOOR)

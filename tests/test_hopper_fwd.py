@@ -249,11 +249,11 @@ HARDWARE_COSINE_SLACK = 1e-3
 FP8_SCORE_PRECISION = 2.0**-9  # LSE error allowed per unit of the row's largest possible |score|
 
 
-def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal):
+def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, config=None):
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim, kind)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = 1 / math.sqrt(dim)
-    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, scale)
+    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, scale, config)
     exact_out, _ = reference.reference_forward(
         q.double(),
         k.double(),
@@ -267,8 +267,9 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     )
     finite = torch.isfinite(ref_lse)
     lse_error = float((lse[finite].double() - ref_lse[finite]).abs().amax()) if finite.any() else 0.0
+    scores = (config or hopper_fwd.tile_config(dim))["SCORES"]
     print(
-        f"{kind} d{dim} causal={causal}: O rel-L2 vs reference {relative_l2(out, ref_out):.2e}, vs fp64 "
+        f"[{scores}] {kind} d{dim} causal={causal}: O rel-L2 vs reference {relative_l2(out, ref_out):.2e}, vs fp64 "
         f"{relative_l2(out, exact_out):.3e} (reference {relative_l2(ref_out, exact_out):.3e}); cosine "
         f"{cosine(out, exact_out):.6f} (reference {cosine(ref_out, exact_out):.6f}); LSE error {lse_error:.1e}"
     )
@@ -290,18 +291,8 @@ def test_gpu_accuracy_issue_criteria(poisoned, kind, len_q, len_k, heads_q, head
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES[:2])
 def test_gpu_accuracy_hardware_bounds(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     """Bounds every input must meet on Hopper: catches indexing, masking and scaling bugs."""
-    out, lse, ref_out, ref_lse, exact_out, (q, k, offsets_q, offsets_k, scale) = _gpu_run(
-        kind, len_q, len_k, heads_q, heads_kv, dim, causal
-    )
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    assert relative_l2(out, ref_out) <= HARDWARE_O_TOLERANCE
-    assert cosine(out, exact_out) >= cosine(ref_out, exact_out) - HARDWARE_COSINE_SLACK
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    finite = torch.isfinite(ref_lse)
-    lse_error = (lse[finite].double() - ref_lse[finite]).abs()
-    bound = LSE_TOLERANCE + FP8_SCORE_PRECISION * score_scale(q, k, offsets_q, offsets_k, scale)[finite]
-    assert bool((lse_error <= bound).all())
-    assert bool((out[~finite] == 0).all())
+    run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal)
+    check_bounds(*run, HARDWARE_O_TOLERANCE, HARDWARE_COSINE_SLACK, FP8_SCORE_PRECISION)
 
 
 FP32_SCORE_PRECISION = 2.0**-18  # exact products, fp32 sums: LSE error per unit of the row's |score| bound
@@ -313,25 +304,23 @@ FP32_SCORE_PRECISION = 2.0**-18  # exact products, fp32 sums: LSE error per unit
 def test_gpu_precise_scores_meet_the_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     """SCORES="bf16" (backend "triton-precise"): O within 1e-2 of the reference and cosine within 1e-4
     of its on every kind; LSE within 1e-3 or, where |scores| reach the thousands, fp32's resolution."""
-    q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim, kind)
-    mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
-    scale = 1 / math.sqrt(dim)
-    config = hopper_fwd.tile_config(dim, scores="bf16")
-    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, scale, config)
-    exact_out, _ = reference.reference_forward(q.double(), k.double(), v.double(), offsets_q, offsets_k,
-                                               causal=causal, softmax_scale=scale, compute_dtype=torch.float64,
-                                               fp8=False)
-    print(f"[precise] {kind} d{dim} causal={causal}: O rel-L2 vs reference {relative_l2(out, ref_out):.2e}; "
-          f"cosine gap {cosine(out, exact_out) - cosine(ref_out, exact_out):+.1e}")
+    run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, hopper_fwd.tile_config(dim, scores="bf16"))
+    check_bounds(*run, O_TOLERANCE, COSINE_SLACK, FP32_SCORE_PRECISION)
+
+
+def check_bounds(out, lse, ref_out, ref_lse, exact_out, inputs, o_tolerance, cosine_slack, score_precision):
+    """O within ``o_tolerance`` of the reference, cosine vs fp64 within ``cosine_slack`` of its, LSE
+    within LSE_TOLERANCE + ``score_precision`` x the row's score scale; no NaN; empty rows 0 / -inf."""
+    q, k, offsets_q, offsets_k, scale = inputs
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    assert relative_l2(out, ref_out) <= O_TOLERANCE
-    assert cosine(out, exact_out) >= cosine(ref_out, exact_out) - COSINE_SLACK
+    assert relative_l2(out, ref_out) <= o_tolerance
+    assert cosine(out, exact_out) >= cosine(ref_out, exact_out) - cosine_slack
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = torch.isfinite(ref_lse)
     lse_error = (lse[finite].double() - ref_lse[finite]).abs()
-    bound = LSE_TOLERANCE + FP32_SCORE_PRECISION * score_scale(mq.dequantize(), mk.dequantize(), offsets_q,
-                                                               offsets_k, scale)[finite]
+    bound = LSE_TOLERANCE + score_precision * score_scale(q, k, offsets_q, offsets_k, scale)[finite]
     assert bool((lse_error <= bound).all())
+    assert bool((out[~finite] == 0).all())
 
 
 def score_scale(q, k, offsets_q, offsets_k, softmax_scale):
