@@ -191,21 +191,22 @@ def test_gpu_backends_through_the_public_api(backend):
 
 
 @pytest.mark.gpu
-def test_gpu_100k_sequences_past_int32_element_offsets():
-    """100,000 sequences, ~1.1M tokens x 16 heads x 128: element offsets pass 2^31. Forward and
-    backward through the public API (backend "auto" = triton on Hopper) on the whole batch, checked
-    against the reference backend on the first and last 40 sequences (attention is per sequence)."""
-    lengths = torch.randint(1, 22, (100_000,))
+@pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
+def test_gpu_large_batches(batch, longest, heads, dim):
+    """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
+    and backward through the public API (backend "auto" = triton on Hopper) on the whole batch,
+    checked against the reference backend on the first and last 40 sequences (attention is per
+    sequence). (Sizes bound the transposed copies, which pad every sequence to 128 tokens.)"""
+    lengths = torch.randint(1, longest + 1, (batch,))
     lengths[-1] = 700  # one long sequence at the far end
     offsets = offsets_from_lengths(lengths).cuda()
     total = int(offsets[-1])
-    assert total * 16 * 128 > 2**31
-    q, k, v = (torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     leaves = [x.requires_grad_(True) for x in (q, k, v)]
     out = ja.jagged_attention(*leaves, offsets, causal=True)
     out.backward(dout)
-    for first, last in ((0, 40), (100_000 - 40, 100_000)):
+    for first, last in ((0, 40), (batch - 40, batch)):
         rows = slice(int(offsets[first]), int(offsets[last]))
         part = offsets[first:last + 1] - offsets[first]
         sliced = [x.detach()[rows].clone().requires_grad_(True) for x in (q, k, v)]
