@@ -4,8 +4,9 @@
 requested axis, the e4m3 data at the unpadded token rows and the tiled E8M0 scales, bit-identical
 to ``jagged_attn.quantize_mxfp8`` (the torch reference).
 
-One program handles one head of one 128-token tile of one sequence, all D channels. Tiles start
-at each sequence's first token, so a 32-token sequence-axis block never straddles two programs.
+One program handles one head of one 128-token tile of one sequence, all D channels or a chunk of
+them (``TileConfig``). Tiles start at each sequence's first token, so a 32-token sequence-axis
+block never straddles two programs.
 Program ``slot`` owns padded row tile ``slot`` of the scale buffers: sequence ``b`` occupies the
 slots ``[P_b / 128, P_{b+1} / 128)`` (``P_b = padded_seq_start(offsets[b], b)``), its tiles first,
 then slots no token maps to. Those programs still store their scale bytes (zeros), so every byte
@@ -14,6 +15,8 @@ tabulates each slot's first token and token count, so the main kernel never sear
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,7 +31,7 @@ from . import fp8, layout
 from .interpreter import INTERPRETED
 
 TILE_TOKENS = TILE_ROWS  # tokens per program: one scale row tile (feature) / column tile (sequence)
-NUM_WARPS = 8
+WIDEST_VECTOR = tl.constexpr(16)  # channels per thread Triton picks for a tile unless told less: one 128-bit e4m3 store
 SLOTS_PER_STEP = 1024  # slots the prologue fills per loop step
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -77,31 +80,53 @@ def _slot_table_kernel(offsets, table, SLOTS_PER_STEP: tl.constexpr):
         tl.store(table + 2 * slot + 1, tokens, mask=tile < n_slots)
 
 
+@triton.constexpr_function
+def channel_chunks(dim, block_d):
+    """Programs per (slot, head) of ``values [total, H, dim]``: ``block_d``-channel chunks that cover
+    the channels of dim's 128-row sequence-axis scale tiles (one if ``block_d`` covers them all)."""
+    return triton.cdiv(triton.cdiv(dim, TILE_ROWS) * TILE_ROWS, block_d)
+
+
 @triton.jit
-def program_tile(slot_table, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def program_chunk(D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The chunk of channels this program handles (programs run slot by slot, head by head, chunk by chunk)."""
+    return tl.program_id(0) % channel_chunks(D, BLOCK_D)
+
+
+@triton.jit
+def program_tile(slot_table, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 VECTOR: tl.constexpr):
     """Where this program's tile of ``values [total, HEADS, D]`` lies: (slot, head, token [128]: the
     token each tile row holds, counted from the slot's first; row [128]: its row in ``values``;
-    in_slot [128]: rows that hold a token; channels [BLOCK_D]; element [128, BLOCK_D]: offsets in
-    ``values``; inside [128, BLOCK_D]: elements in bounds).
+    in_slot [128]: rows that hold a token; channels [BLOCK_D]: the program's chunk of channels;
+    element [128, BLOCK_D]: offsets in ``values``; inside [128, BLOCK_D]: elements in bounds).
+
+    ``BLOCK_ROWS``: tile rows between two consecutive 32-token blocks (below); ``VECTOR``: the
+    channels each thread loads and stores at once (offsets are declared contiguous in runs of it).
     """
+    CHUNKS: tl.constexpr = channel_chunks(D, BLOCK_D)
     pid = tl.program_id(0)
-    slot = (pid // HEADS).to(tl.int64)
-    head = pid % HEADS
+    slot = (pid // (HEADS * CHUNKS)).to(tl.int64)
+    head = pid // CHUNKS % HEADS
     first_row = tl.load(slot_table + 2 * slot)
     tokens = tl.load(slot_table + 2 * slot + 1)
 
-    # Row i of the tile holds token 4 * (i % 32) + i // 32. With 8 warps Triton gives each thread
-    # rows 32 apart, which then are 4 consecutive tokens of one 32-token block: the sequence-axis
-    # maxima need fewer exchanges and fewer threads repeat each block's math (any layout is correct).
+    # Triton spreads the rows of a tile over (fastest first) the lanes of a warp, the warps, then
+    # each thread's registers. Row i holds token 32 (i // S % 4) + (i % S) (32 // S) + i // (4 S),
+    # S = BLOCK_ROWS: the block index is on the middle bits of i, the token within its block on the
+    # lowest and highest. When S is the rows on a warp's lanes, each warp holds whole blocks and the
+    # sequence-axis maxima never leave it (any S is correct; only the speed differs).
     rows = tl.arange(0, 128)
-    token = (rows % 32) * 4 + rows // 32
+    token = 32 * (rows // BLOCK_ROWS % 4) + rows % BLOCK_ROWS * (32 // BLOCK_ROWS) + rows // (4 * BLOCK_ROWS)
     row = first_row + token
     in_slot = token < tokens
-    channels = tl.arange(0, BLOCK_D)
+    channels = program_chunk(D, BLOCK_D) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = in_slot[:, None]
-    if BLOCK_D != D:
+    if BLOCK_D * CHUNKS != D:
         inside = inside & (channels < D)[None, :]
     element = row[:, None] * (HEADS * D) + head * D + channels[None, :]
+    if VECTOR < WIDEST_VECTOR:
+        element = element // VECTOR * VECTOR + element % VECTOR
     return slot, head, token, row, in_slot, channels, element, inside
 
 
@@ -122,6 +147,7 @@ def store_mxfp8(
     scale_bytes_per_head,
     n_slots,
     BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     CHANNEL_TILES: tl.constexpr,
     FEATURE: tl.constexpr,
     SEQUENCE: tl.constexpr,
@@ -138,15 +164,17 @@ def store_mxfp8(
         byte, amax = block_scale_bytes(blocks, (2,), FLOOR, INTERPRET)
         data = fp8.to_e4m3(blocks * layout.scale_factor(byte)[:, :, None], INTERPRET)
         tl.store(feature_data + element, tl.reshape(data, (128, BLOCK_D)), mask=inside)
-        columns = tl.arange(0, BLOCK_D // 32)
+        columns = program_chunk(CHANNEL_TILES * 128, BLOCK_D) * (BLOCK_D // 32) + tl.arange(0, BLOCK_D // 32)
         where = layout.scale_byte_offset(slot * 128 + token[:, None], columns[None, :], CHANNEL_TILES)
         tl.store(feature_scales + head_scales + where, byte.to(tl.uint8), mask=(columns < CHANNEL_TILES * 4)[None, :])
     if SEQUENCE:
-        # Blocks of 32 tokens of one channel. Row 32 q + 8 k + r holds token 32 k + 4 r + q: block k.
-        # Scale row = channel, column = the block's padded column.
-        blocks = tl.reshape(x, (4, 4, 8, BLOCK_D))
+        # Blocks of 32 tokens of one channel: row (4 q + k) S + r (S = BLOCK_ROWS) holds a token of
+        # block k (program_tile). Scale row = channel, column = the block's padded column.
+        blocks = tl.reshape(x, (32 // BLOCK_ROWS, 4, BLOCK_ROWS, BLOCK_D))
         byte, amax = block_scale_bytes(blocks, (0, 1), FLOOR, INTERPRET)
-        data = fp8.to_e4m3(blocks * layout.scale_factor(byte)[None, :, None, :], INTERPRET)
+        # Axes restored in the reverse order of the reductions: the factor keeps their layout.
+        factor = tl.expand_dims(tl.expand_dims(layout.scale_factor(byte), 1), 0)
+        data = fp8.to_e4m3(blocks * factor, INTERPRET)
         tl.store(sequence_data + element, tl.reshape(data, (128, BLOCK_D)), mask=inside)
         columns = slot * 4 + tl.arange(0, 4)
         where = layout.scale_byte_offset(channels[None, :], columns[:, None], n_slots)
@@ -154,8 +182,10 @@ def store_mxfp8(
             sequence_scales + head_scales + where, byte.to(tl.uint8), mask=(channels < CHANNEL_TILES * 128)[None, :]
         )
     if CHECK_FINITE:
-        largest = max_keeping_nan(amax, None, INTERPRET)
-        tl.store(nonfinite, largest, mask=~(largest <= FLOAT32_MAX))
+        # Reduced over the last axis only, which stays inside a warp; then every holder of a
+        # non-finite maximum writes it (no exchange between warps).
+        largest = max_keeping_nan(amax, len(amax.shape) - 1, INTERPRET)
+        tl.store(nonfinite + tl.zeros_like(largest).to(tl.int32), largest, mask=~(largest <= FLOAT32_MAX))
 
 
 @triton.jit
@@ -172,6 +202,8 @@ def _quantize_kernel(
     HEADS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    VECTOR: tl.constexpr,
     CHANNEL_TILES: tl.constexpr,
     FEATURE: tl.constexpr,
     SEQUENCE: tl.constexpr,
@@ -179,12 +211,12 @@ def _quantize_kernel(
     CHECK_FINITE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    slot, head, token, _, _, channels, element, inside = program_tile(slot_table, HEADS, D, BLOCK_D)
+    slot, head, token, _, _, channels, element, inside = program_tile(slot_table, HEADS, D, BLOCK_D, BLOCK_ROWS, VECTOR)
     x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
     store_mxfp8(
         x, slot, head, token, channels, element, inside,
         feature_data, feature_scales, sequence_data, sequence_scales, nonfinite, scale_bytes_per_head, n_slots,
-        BLOCK_D, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
+        BLOCK_D, BLOCK_ROWS, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
     )
 
 
@@ -205,19 +237,72 @@ def empty_outputs(values: torch.Tensor, offsets: torch.Tensor, axis: str) -> tup
     return data, torch.empty(heads, tiled_bytes(rows, cols), dtype=torch.uint8, device=values.device)
 
 
-def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None, num_warps: int = NUM_WARPS):
-    """Quantize ``values [total, H, D]`` into ``outputs`` (axis -> (data, scales) from :func:`empty_outputs`)."""
-    launch_per_tile(_quantize_kernel, (values,), values, offsets, outputs, rounding, nonfinite, num_warps)
+@dataclass(frozen=True)
+class TileConfig:
+    """How the per-tile kernels split and lay out their work; every choice writes the same bytes.
+
+    ``channels``: channels per program (None: all of D, at least 128, so one program per (slot,
+    head)); ``num_warps``: warps per program; ``vector``: consecutive channels each thread loads and
+    stores at once (at most ``WIDEST_VECTOR``).
+    """
+
+    name: str
+    channels: int | None
+    num_warps: int
+    vector: int = WIDEST_VECTOR.value
+
+    def block_d(self, dim: int) -> int:
+        return self.channels or max(triton.next_power_of_2(dim), TILE_TOKENS)
+
+    def block_rows(self, dim: int) -> int:
+        """``BLOCK_ROWS`` of :func:`program_tile`: the tile rows on a warp's lanes (the lanes not on
+        channels), times the warps one block spans when there are more than 4 (4 blocks per tile)."""
+        rows_on_lanes = max(1, 32 * self.vector // self.block_d(dim))
+        return min(32, rows_on_lanes * max(1, self.num_warps // 4))
 
 
-def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: str, nonfinite, num_warps: int,
+# Measured on an H200 by scripts/bench_quantize.py. "all-8w" keeps all D channels in one program of
+# 8 warps, 16 channels per thread: a sequence-axis block spans 2 warps, so its maxima pass through
+# shared memory. The "c64"/"c32" configurations take 64 or 32 channels per program on 4 warps, one
+# 32-token block per warp: no exchange between warps for the maxima (sm_90 SASS: 1 barrier, for
+# the scale bytes, instead of 4); 8 channels per thread put 4 (c64) or 8 (c32) token rows on the
+# lanes, 16 channels put 8 or 16, and the per-block scale math is repeated on each of those lanes.
+CONFIGS = {
+    config.name: config
+    for config in (
+        TileConfig("all-8w", None, 8),
+        TileConfig("c64-4w-v8", 64, 4, 8),
+        TileConfig("c64-4w-v16", 64, 4),
+        TileConfig("c32-4w-v8", 32, 4, 8),
+    )
+}
+# The configuration quantize_into uses for each set of axes (sorted as in AXES).
+DEFAULT_CONFIGS = {
+    ("feature",): CONFIGS["all-8w"],
+    ("sequence",): CONFIGS["c64-4w-v8"],
+    ("feature", "sequence"): CONFIGS["c64-4w-v8"],
+}
+
+
+def default_config(axes) -> TileConfig:
+    return DEFAULT_CONFIGS[tuple(axis for axis in AXES if axis in axes)]
+
+
+def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None, config: TileConfig | None = None):
+    """Quantize ``values [total, H, D]`` into ``outputs`` (axis -> (data, scales) from :func:`empty_outputs`)
+    with ``config`` (None: the default for those axes)."""
+    config = config or default_config(outputs)
+    launch_per_tile(_quantize_kernel, (values,), values, offsets, outputs, rounding, nonfinite, config)
+
+
+def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: str, nonfinite, config: TileConfig,
                     **options):
     """Launch a kernel built on :func:`program_tile` and :func:`store_mxfp8`, one program per
-    (128-token slot, head) of ``values [total, H, D]``.
+    (128-token slot, head, chunk of ``config.channels``) of ``values [total, H, D]``.
 
     The kernel takes ``*leading``, then the slot table and the arguments of :func:`store_mxfp8`
     (``outputs``: axis -> (data, scales) from :func:`empty_outputs`), then ``HEADS``, ``D``,
-    ``BLOCK_D``; ``options``: further constexprs or launch options.
+    ``BLOCK_D``, ``BLOCK_ROWS``, ``VECTOR``; ``options``: further constexprs or launch options.
     """
     total, heads, dim = values.shape
     table = slot_table(offsets, total)
@@ -226,7 +311,8 @@ def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: s
     scale_bytes_per_head = next(iter(outputs.values()))[1].shape[1]  # the same for both axes
     if table.shape[0] == 0 or heads == 0:
         return
-    kernel[(table.shape[0] * heads,)](
+    block_d = config.block_d(dim)
+    kernel[(table.shape[0] * heads * channel_chunks(dim, block_d),)](
         *leading,
         table,
         *feature,
@@ -236,14 +322,16 @@ def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: s
         table.shape[0],
         HEADS=heads,
         D=dim,
-        BLOCK_D=max(triton.next_power_of_2(dim), TILE_TOKENS),
+        BLOCK_D=block_d,
+        BLOCK_ROWS=config.block_rows(dim),
+        VECTOR=config.vector,
         CHANNEL_TILES=triton.cdiv(dim, TILE_TOKENS),
         FEATURE="feature" in outputs,
         SEQUENCE="sequence" in outputs,
         FLOOR=rounding == "floor",
         CHECK_FINITE=nonfinite is not None,
         INTERPRET=INTERPRETED,
-        num_warps=num_warps,
+        num_warps=config.num_warps,
         **options,
     )
 

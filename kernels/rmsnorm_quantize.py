@@ -38,10 +38,15 @@ from jagged_attn.offsets import validate_offsets
 
 from . import quantize
 from .interpreter import INTERPRETED
-from .quantize import NUM_WARPS, program_tile, store_mxfp8
+from .quantize import program_tile, store_mxfp8
 
 BF16_ROUNDING_BIAS = 0x7FFF  # added to fp32 bits below the 16 bf16 keeps: rounds to nearest (ties to even with the lsb)
 BF16_KEPT_BITS = -65536  # 0xFFFF0000 as int32: sign, exponent and the 7 mantissa bits of bf16
+NUM_WARPS = 8
+# Offsets known contiguous in runs of 8 only (program_tile's VECTOR): then the bf16 and e4m3 tiles get
+# the same register layout (8 elements per thread), and the normalized store needs no exchange
+# through shared memory.
+VECTOR_CHANNELS = 8
 # Two 8-warp programs per SM, so that one loads while the other computes. Left free, ptxas (sm_90)
 # takes ~165 registers, which leaves one program per SM; in 128 it spills at most 24 bytes.
 MAX_REGISTERS = 128
@@ -76,6 +81,8 @@ def _rms_norm_quantize_kernel(
     HEADS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    VECTOR: tl.constexpr,
     CHANNEL_TILES: tl.constexpr,
     FEATURE: tl.constexpr,
     SEQUENCE: tl.constexpr,
@@ -84,10 +91,9 @@ def _rms_norm_quantize_kernel(
     INTERPRET: tl.constexpr,
     STORE_NORMALIZED: tl.constexpr,
 ):
-    slot, head, token, row, in_slot, channels, element, inside = program_tile(slot_table, HEADS, D, BLOCK_D)
-    # Offsets known contiguous in runs of 8 only: then the bf16 and e4m3 tiles get the same register
-    # layout (8 elements per thread), and the normalized store needs no exchange through shared memory.
-    element = element // 8 * 8 + element % 8
+    slot, head, token, row, in_slot, channels, element, inside = program_tile(
+        slot_table, HEADS, D, BLOCK_D, BLOCK_ROWS, VECTOR
+    )
     x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
     w = tl.load(weight + channels, mask=channels < D, other=0.0).to(tl.float32)
 
@@ -101,7 +107,7 @@ def _rms_norm_quantize_kernel(
     store_mxfp8(
         y, slot, head, token, channels, element, inside,
         feature_data, feature_scales, sequence_data, sequence_scales, nonfinite, scale_bytes_per_head, n_slots,
-        BLOCK_D, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
+        BLOCK_D, BLOCK_ROWS, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
     )
 
 
@@ -113,7 +119,8 @@ def rms_norm_quantize_into(x, weight, offsets, outputs: dict, normalized, rstd, 
     normalized values hold any; ``max_registers``: per thread (None: as ptxas likes)."""
     quantize.launch_per_tile(
         _rms_norm_quantize_kernel, (x, weight, normalized, rstd, eps), x, offsets, outputs, rounding, nonfinite,
-        num_warps, maxnreg=max_registers, STORE_NORMALIZED=normalized is not None,
+        quantize.TileConfig("rms_norm", None, num_warps, VECTOR_CHANNELS), maxnreg=max_registers,
+        STORE_NORMALIZED=normalized is not None,
     )
 
 

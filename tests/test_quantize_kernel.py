@@ -69,9 +69,9 @@ def assert_scales_identical(scales, expected):
     )
 
 
-def check_against_reference(values, offsets, axes, rounding):
+def check_against_reference(values, offsets, axes, rounding, config=None):
     outputs = poisoned_outputs(values, offsets, axes)
-    qk.quantize_into(values, offsets, outputs, rounding)
+    qk.quantize_into(values, offsets, outputs, rounding, config=config)
     for axis in axes:
         expected_data, expected_scales = torch_reference(values, offsets, axis, rounding)
         assert_data_identical(outputs[axis][0], expected_data)
@@ -93,6 +93,21 @@ def test_one_axis_matches_reference(axis, dim):
     offsets = ragged_offsets([129, 0, 33, 1])
     values = wide_range_values(int(offsets[-1]), 1, dim, torch.bfloat16)
     check_against_reference(values, offsets, (axis,), "rceil")
+
+
+@pytest.mark.parametrize("config", qk.CONFIGS.values(), ids=qk.CONFIGS)
+@pytest.mark.parametrize("dim", [32, 96])
+def test_every_config_matches_reference(config, dim):
+    """Chunks of channels past D (D 32, 96), ragged lengths, both axes from one read."""
+    offsets = ragged_offsets(RAGGED)
+    values = wide_range_values(int(offsets[-1]), 2, dim, torch.bfloat16)
+    check_against_reference(values, offsets, ("feature", "sequence"), "rceil", config)
+    check_against_reference(values, offsets, ("sequence",), "floor", config)
+
+
+def test_every_set_of_axes_has_a_default_config():
+    for axes in (("feature",), ("sequence",), ("feature", "sequence"), ("sequence", "feature")):
+        assert qk.default_config(axes) in qk.CONFIGS.values()
 
 
 def test_results_follow_the_order_of_axes():
@@ -170,13 +185,16 @@ def test_bad_axes_raise():
             qk.quantize_mxfp8_kernel(values, offsets, axes=axes)
 
 
-def compile_per_tile_kernel(module: str, kernel: str, leading: dict, **constexprs) -> str:
-    """sm_90 PTX of a kernel launched by ``qk.launch_per_tile`` (``leading``: its first arguments, name ->
-    Triton type), for both axes, rceil, the finite check, 8 heads of D 128, and further ``constexprs``."""
+def compile_per_tile_kernel(module: str, kernel: str, leading: dict, config=qk.CONFIGS["all-8w"], **constexprs) -> str:
+    """sm_90 PTX of a kernel launched by ``qk.launch_per_tile`` with ``config`` (``leading``: its first
+    arguments, name -> Triton type), for both axes, rceil, the finite check, 8 heads of D 128, and
+    further ``constexprs``."""
     constexprs = {
         "HEADS": 8,
         "D": 128,
-        "BLOCK_D": 128,
+        "BLOCK_D": config.block_d(128),
+        "BLOCK_ROWS": config.block_rows(128),
+        "VECTOR": config.vector,
         "CHANNEL_TILES": 1,
         "FEATURE": True,
         "SEQUENCE": True,
@@ -197,15 +215,29 @@ def compile_per_tile_kernel(module: str, kernel: str, leading: dict, **constexpr
         "n_slots": "i64",
         **dict.fromkeys(constexprs, "constexpr"),
     }
-    return compile_ptx(module, kernel, signature, constexprs, num_warps=qk.NUM_WARPS)
+    aligned = [name for name, kind in signature.items() if kind.startswith("*")] + ["scale_bytes_per_head"]
+    return compile_ptx(module, kernel, signature, constexprs, num_warps=config.num_warps, aligned=aligned)
 
 
-def test_compiles_for_sm90_with_hardware_e4m3_conversion():
-    ptx = compile_per_tile_kernel("jagged_attn.kernels.quantize", "_quantize_kernel", {"values": "*bf16"})
+@pytest.mark.parametrize("config", qk.CONFIGS.values(), ids=qk.CONFIGS)
+def test_compiles_for_sm90_with_hardware_e4m3_conversion(config):
+    ptx = compile_per_tile_kernel("jagged_attn.kernels.quantize", "_quantize_kernel", {"values": "*bf16"}, config)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx  # amax / 448 rounded exactly, as torch divides
     assert "max.NaN.f32" in ptx  # NaN survives the block maxima, so it can be flagged
     assert ".ftz" not in ptx  # subnormal inputs and the 2^-127 factor must not be flushed
+
+
+@pytest.mark.parametrize("config", [c for c in qk.CONFIGS.values() if c.num_warps <= 4], ids=lambda c: c.name)
+def test_sequence_axis_maxima_stay_inside_warps(config):
+    """With one 32-token block per warp the only exchange between warps is the scale bytes' (one
+    barrier); the 8-warp layout, whose blocks span two warps, needs four."""
+    ptx = compile_per_tile_kernel(
+        "jagged_attn.kernels.quantize", "_quantize_kernel", {"values": "*bf16"}, config,
+        FEATURE=False, CHECK_FINITE=False,
+    )
+    assert ptx.count("bar.sync") == 1
+    assert "ld.global.v4" in ptx  # 16-byte loads: the layout program_tile assumes
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -217,6 +249,8 @@ def test_gpu_matches_torch_path(rounding):
     lengths = RAGGED + torch.randint(1, 3000, (40,)).tolist()
     offsets = ragged_offsets(lengths, torch.int32, "cuda")
     values = wide_range_values(int(offsets[-1]), 4, 128, torch.bfloat16, "cuda")
+    for config in qk.CONFIGS.values():
+        check_against_reference(values, offsets, mxfp8.AXES, rounding, config)
     outputs = poisoned_outputs(values, offsets, mxfp8.AXES)
     qk.quantize_into(values, offsets, outputs, rounding)
     for axis in mxfp8.AXES:
@@ -251,10 +285,10 @@ def test_gpu_bandwidth_vs_copy():
     for axes in (("feature",), ("sequence",), ("feature", "sequence")):
         outputs = {axis: qk.empty_outputs(values, offsets, axis) for axis in axes}
         moved = in_bytes + sum(data.numel() + scales.numel() for data, scales in outputs.values())
-        for num_warps in (8, 16):
-            ms = do_bench(lambda out=outputs, w=num_warps: qk.quantize_into(values, offsets, out, "rceil", num_warps=w))
+        for config in qk.CONFIGS.values():
+            ms = do_bench(lambda out=outputs, c=config: qk.quantize_into(values, offsets, out, "rceil", config=c))
             print(
-                f"{'+'.join(axes):17s} warps {num_warps:2d}: {ms * 1e3:7.1f} us, {moved / ms / 1e6:6.0f} GB/s "
+                f"{'+'.join(axes):17s} {config.name:10s}: {ms * 1e3:7.1f} us, {moved / ms / 1e6:6.0f} GB/s "
                 f"= {moved / ms / 1e6 / copy_gbs:.0%} of copy"
             )
         flag = torch.zeros(1, device="cuda")
