@@ -124,9 +124,10 @@ def program_tile(slot_table, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.c
     inside = in_slot[:, None]
     if BLOCK_D * CHUNKS != D:
         inside = inside & (channels < D)[None, :]
-    element = row[:, None] * (HEADS * D) + head * D + channels[None, :]
+    within = token[:, None] * (HEADS * D) + channels[None, :]  # int32 inside the tile
     if VECTOR < WIDEST_VECTOR:
-        element = element // VECTOR * VECTOR + element % VECTOR
+        within = within // VECTOR * VECTOR + within % VECTOR
+    element = (first_row * (HEADS * D) + head * D) + within
     return slot, head, token, row, in_slot, channels, element, inside
 
 
