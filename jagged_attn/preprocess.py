@@ -7,18 +7,24 @@ Input file (safetensors, or a torch ``.pt`` dict saved with ``torch.save``):
 * and exactly one of ``offsets`` (int32/int64 ``[B + 1]``, starting at 0, ending at ``total``) or
   ``lengths`` (fbgemm's form: int32/int64 ``[B]``, turned into int64 offsets).
 
-The input is read in chunks of whole sequences (``chunk_tokens`` tokens, or one longer sequence),
-so memory is bounded by the chunk, never by the file. The output is exactly the file that
+The input is memory-mapped and quantized in chunks of whole sequences (``chunk_tokens`` tokens, or
+one longer sequence), so memory is bounded by the chunk, never by the file. A writer thread hashes
+and writes chunk ``i`` while chunk ``i + 1`` is quantized (torch ops, ``pwrite`` and SHA-256 all
+release the GIL). The output is exactly the file that
 ``save(output, quantize_mxfp8(values, offsets, axis=..., rounding=...))`` would write (with
 ``axis="both"``: ``save(output, {"feature": ..., "sequence": ...})``), byte for byte.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import mmap
 import os
 import sys
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
@@ -27,12 +33,22 @@ from .mx_format import BLOCK_SIZE, check_rounding
 from .mxfp8 import AXES, check_values, quantize_mxfp8
 from .offsets import INDEX_DTYPES, lengths_of, offsets_from_lengths, padded_seq_start, validate_offsets
 from .scale_layout import TILE_ROWS, num_tiles
-from .serialization import SINGLE_ENTRY_NAME, Entry, MXFP8FileWriter, read_header, scale_tiles, token_tile_dim
+from .serialization import (
+    SINGLE_ENTRY_NAME,
+    Entry,
+    MXFP8FileWriter,
+    read_header,
+    scale_tiles,
+    tensor_regions,
+    token_tile_dim,
+)
 
 # One chunk holds about this many values (its fp32/fp64 working copies are a few hundred MB).
 DEFAULT_CHUNK_VALUES = 1 << 24
 COMPILE_MIN_VALUES = 1 << 22  # below this, compiling the quantizer costs more than it saves
 INDEX_KEYS = ("offsets", "lengths")
+CHUNKS_IN_FLIGHT = 2  # quantized chunks waiting for the writer thread, at most
+WRITER_CORES = 1  # cores the CPU quantizer leaves to the writer thread
 _PROGRESS_INTERVAL_S = 0.5
 
 
@@ -74,13 +90,26 @@ def _open_torch(path):
 
 
 def _open_safetensors(path):
-    """(values row reader, values shape, {name: offsets or lengths tensor, or None}) of a safetensors file."""
+    """(values row reader, values shape, {name: offsets or lengths tensor, or None}) of a safetensors file.
+
+    ``values`` is a view of the memory-mapped file (copy-on-write, never written): rows are read
+    from the page cache by the quantizer itself, with no copy in between.
+    """
     file = safe_open(path, framework="pt", device="cpu")
     tensors = {key: file.get_tensor(key) if key in INDEX_KEYS else None for key in file.keys()}
     if "values" not in tensors:
         return None, None, tensors
-    values = file.get_slice("values")
-    return values.__getitem__, tuple(values.get_shape()), tensors
+    shape = tuple(file.get_slice("values").get_shape())
+    dtype = file.get_slice("values")[0:0].dtype
+    header_bytes, regions = tensor_regions(path)
+    begin, end = regions["values"]
+    if begin == end:
+        return torch.empty(shape, dtype=dtype).__getitem__, shape, tensors
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    count = (end - begin) // dtype.itemsize
+    values = torch.frombuffer(mapped, dtype=dtype, count=count, offset=header_bytes + begin).view(shape)
+    return values.__getitem__, shape, tensors
 
 
 def _offsets_of(tensors, path) -> torch.Tensor:
@@ -149,6 +178,42 @@ def _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets):
     return block, start
 
 
+@contextlib.contextmanager
+def _quantizer_threads(device):
+    """Leave ``WRITER_CORES`` of torch's intra-op threads to the writer while quantizing on the CPU.
+
+    OpenMP regions wait for their slowest thread, so a quantizer that keeps every core busy stalls
+    each time the writer thread takes one of them (on 2 cores, under load, whole runs took 2-6x
+    longer that way). torch's thread count is restored afterwards.
+    """
+    previous = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(max(1, previous - WRITER_CORES))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class _StageClock:
+    """Seconds spent in each main-thread stage of the pipeline."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(("read", "quantize", "tile", "wait"), 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        started = time.perf_counter()
+        yield
+        self.seconds[stage] += time.perf_counter() - started
+
+
+def _store(writer, name, data, row_start, tiles) -> None:
+    """Writer-thread work for one quantized chunk: its data rows and its whole scale tiles."""
+    writer.write_data(name, data, row_start)
+    writer.write_scale_tiles(name, *tiles)
+
+
 class _Progress:
     """A one-line progress report on stderr: tokens, tokens/s and input GB/s."""
 
@@ -202,7 +267,10 @@ def preprocess_file(
 
     Returns:
         Statistics: sequences, tokens, heads, head_dim, axis, rounding, chunks, input/output bytes,
-        seconds, tokens_per_s, input_gb_per_s, checksum.
+        seconds, tokens_per_s, input_gb_per_s, checksum, and ``stage_seconds``: busy seconds of each
+        stage (``read``: views of the mapped input, plus the copy to ``device``; ``quantize``;
+        ``tile``: placing scale tiles; ``wait``: the main thread waiting for the writer; ``hash``
+        and ``write``: the writer thread, closing included).
     """
     if axis not in (*AXES, "both"):
         raise ValueError(f"axis must be 'feature', 'sequence' or 'both', got {axis!r}")
@@ -223,22 +291,35 @@ def preprocess_file(
 
     row_bytes = row_values * source.dtype.itemsize
     report = _Progress(total, progress)
+    clock = _StageClock()
     started = time.perf_counter()
     chunks = 0
     stored_offsets = {names[ax]: source.offsets for ax in axes}
-    with MXFP8FileWriter(output_path, list(entries.values()), stored_offsets, structure) as writer:
+    writer = MXFP8FileWriter(output_path, list(entries.values()), stored_offsets, structure)
+    # The pool closes (waiting for queued writes) before the writer, which removes the file on error.
+    with writer, ThreadPoolExecutor(1, "jagged-attn-writer") as sink, _quantizer_threads(device):
+        queued = collections.deque()
         for first, end in sequence_chunks(offsets, chunk_tokens):
             row_start, row_stop = int(offsets[first]), int(offsets[end])
-            values = source.rows(row_start, row_stop)
             chunk_offsets = offsets[first : end + 1] - row_start
+            with clock("read"):
+                values = source.rows(row_start, row_stop).to(device)
+                device_offsets = chunk_offsets.to(device)
             for ax, entry in entries.items():
-                local = quantize_mxfp8(values.to(device), chunk_offsets.to(device), axis=ax, rounding=rounding,
-                                       compile=compile).to("cpu")
-                writer.write_data(entry.name, local.data, row_start)
-                tiles = _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets)
-                writer.write_scale_tiles(entry.name, *tiles)
+                with clock("quantize"):
+                    local = quantize_mxfp8(values, device_offsets, axis=ax, rounding=rounding, compile=compile)
+                    local = local.to("cpu")
+                with clock("tile"):
+                    tiles = _global_scale_tiles(local, entry, chunk_offsets, first, end, offsets)
+                queued.append(sink.submit(_store, writer, entry.name, local.data, row_start, tiles))
+            with clock("wait"):
+                while len(queued) > CHUNKS_IN_FLIGHT * len(entries):
+                    queued.popleft().result()
             chunks += 1
             report.update(row_stop, row_stop * row_bytes)
+        with clock("wait"):
+            for job in queued:
+                job.result()
         checksum = writer.close()
     seconds = time.perf_counter() - started
     report.update(total, total * row_bytes, final=True)
@@ -258,6 +339,7 @@ def preprocess_file(
         "tokens_per_s": total / seconds,
         "input_gb_per_s": total * row_bytes / seconds / 1e9,
         "checksum": checksum,
+        "stage_seconds": {**clock.seconds, **writer.seconds},
     }
 
 

@@ -15,6 +15,8 @@ The safetensors metadata holds ``format`` (``"jagged_attn.mxfp8"``), ``format_ve
 dtypes and scale-matrix shape of each entry, in the order they were given) and ``checksum``:
 SHA-256 over the other metadata, then every tensor's key, dtype, shape and raw bytes in key order.
 Files are written to a temporary name and renamed, and are byte-identical for identical inputs.
+The writer hashes bytes as they are written wherever they arrive in that order (an entry's data
+written front to back, as preprocessing does) and reads back only the rest when it closes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +109,11 @@ class MXFP8FileWriter:
     """Writes a file of MXFP8 entries piece by piece (bounded memory), then seals it with the checksum.
 
     Construct with the entries' layouts and offsets; fill each entry with :meth:`write_data` (token
-    rows) and :meth:`write_scale_tiles` (whole 128-token tiles) in any order; :meth:`close` checks
-    that every byte was written, hashes the file, writes the final header and renames the file into
-    place. Used as a context manager, an exception removes the partial file.
+    rows) and :meth:`write_scale_tiles` (whole 128-token tiles) in any order, every byte once;
+    :meth:`close` checks that every byte was written, finishes the checksum, writes the final header
+    and renames the file into place. Used as a context manager, an exception removes the partial
+    file. Not thread-safe: call it from one thread at a time. ``seconds`` holds the time spent
+    hashing and writing so far.
     """
 
     def __init__(self, path, entries: list[Entry], offsets: dict[str, torch.Tensor], structure: str):
@@ -129,6 +134,8 @@ class MXFP8FileWriter:
             self._regions[key] = (buffer_bytes, buffer_bytes + size)
             buffer_bytes += size
         self._unwritten = {key: end - begin for key, (begin, end) in self._regions.items()}
+        self._digest = _ChecksumStream(self._metadata, self._specs)
+        self.seconds = {"hash": 0.0, "write": 0.0}
         self._header = self._encode_header(_CHECKSUM_PREFIX + "0" * 64)
         self._tmp_path = f"{self._path}.tmp{os.getpid()}"
         self._fd = os.open(self._tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -167,9 +174,18 @@ class MXFP8FileWriter:
         runs = block.detach().cpu().contiguous().view(torch.uint8).reshape(leading, -1).numpy()
         itemsize = _itemsize(self._specs[key][0])
         stride = _prod(shape[dim:]) * itemsize
-        base = len(self._header) + self._regions[key][0] + start * _prod(shape[dim + 1 :]) * itemsize
+        first = start * _prod(shape[dim + 1 :]) * itemsize  # byte of the first run within the tensor
+        if runs.size and self._digest.passed(key, first):
+            raise ValueError(f"{key}: bytes at {first} are written a second time")
+        started = time.perf_counter()
+        if leading == 1:
+            self._digest.feed(key, first, runs[0])
+        hashed = time.perf_counter()
+        base = len(self._header) + self._regions[key][0] + first
         for i in range(leading):
             _pwrite_all(self._fd, memoryview(runs[i]), base + i * stride)
+        self.seconds["hash"] += hashed - started
+        self.seconds["write"] += time.perf_counter() - hashed
         self._unwritten[key] -= runs.size
 
     def close(self) -> str:
@@ -177,7 +193,9 @@ class MXFP8FileWriter:
         incomplete = {key: n for key, n in self._unwritten.items() if n}
         if incomplete:
             raise RuntimeError(f"{self._path}: bytes left unwritten: {incomplete}")
-        checksum = _checksum(self._metadata, self._specs, self._fd, len(self._header), self._regions)
+        started = time.perf_counter()
+        checksum = self._digest.finish(self._fd, len(self._header), self._regions)
+        self.seconds["hash"] += time.perf_counter() - started
         header = self._encode_header(checksum)
         assert len(header) == len(self._header)
         _pwrite_all(self._fd, memoryview(header), 0)
@@ -251,7 +269,7 @@ class FileHeader:
         """SHA-256 of what the file holds now (reads it once, in bounded memory)."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            return _checksum(self.metadata, self.specs, fd, self.header_bytes, self.regions)
+            return _ChecksumStream(self.metadata, self.specs).finish(fd, self.header_bytes, self.regions)
         finally:
             os.close(fd)
 
@@ -274,7 +292,7 @@ def read_header(path) -> FileHeader:
             found = {
                 key: (file.get_slice(key).get_dtype(), tuple(file.get_slice(key).get_shape())) for key in file.keys()
             }
-        header_bytes, regions = _raw_regions(path)
+        header_bytes, regions = tensor_regions(path)
     except Exception as error:  # safetensors reports a broken file with its own exception class
         raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupted?): {error}") from error
     if metadata.get("format") != FORMAT_NAME:
@@ -376,8 +394,8 @@ def _parse_entries(text, found, path) -> list[Entry]:
     return entries
 
 
-def _raw_regions(path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(bytes before the tensor buffer, key -> (begin, end) in the buffer), from a safetensors header."""
+def tensor_regions(path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(bytes before the tensor buffer, key -> (begin, end) in the buffer) from any safetensors file's header."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header = json.loads(file.read(length))
@@ -385,19 +403,55 @@ def _raw_regions(path) -> tuple[int, dict[str, tuple[int, int]]]:
     return 8 + length, regions
 
 
-def _checksum(metadata, specs, fd, header_bytes, regions) -> str:
-    digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
-    for key in sorted(specs):
-        dtype, shape = specs[key]
-        digest.update(json.dumps([key, dtype, list(shape)]).encode())
-        begin, end = regions[key]
-        for position in range(begin, end, _READ_BLOCK_BYTES):
-            size = min(_READ_BLOCK_BYTES, end - position)
-            block = os.pread(fd, size, header_bytes + position)
-            if len(block) != size:
+class _ChecksumStream:
+    """The file checksum: SHA-256 of the metadata (checksum left out), then each tensor's key, dtype,
+    shape and bytes, in key order.
+
+    :meth:`feed` takes bytes at the point the hash has reached (others are skipped);
+    :meth:`finish` reads the rest from the file.
+    """
+
+    def __init__(self, metadata: dict, specs: dict):
+        self._digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+        self._specs = specs
+        self._keys = sorted(specs)
+        self._index, self._done = -1, 0  # bytes of tensor self._keys[self._index] hashed so far
+        self._next_tensor()
+
+    def passed(self, key: str, position: int) -> bool:
+        """Whether byte ``position`` of tensor ``key`` has been hashed already."""
+        index = self._keys.index(key)
+        return index < self._index or (index == self._index and position < self._done)
+
+    def feed(self, key: str, position: int, run) -> None:
+        """Hash ``run`` (bytes at ``position`` of tensor ``key``) if that is exactly where the hash is."""
+        if self._index < len(self._keys) and key == self._keys[self._index] and position == self._done:
+            self._digest.update(run)
+            self._done += len(run)
+            self._next_tensor()
+
+    def finish(self, fd, header_bytes: int, regions: dict) -> str:
+        """Hash what was not fed, reading it from the file ``fd``; returns ``"sha256:<hex>"``."""
+        block = bytearray(_READ_BLOCK_BYTES)
+        while self._index < len(self._keys):
+            key = self._keys[self._index]
+            begin, end = regions[key]
+            size = min(_READ_BLOCK_BYTES, end - begin - self._done)
+            view = memoryview(block)[: max(size, 0)]
+            if size <= 0 or os.preadv(fd, [view], header_bytes + begin + self._done) != size:
                 raise ValueError(f"file ends inside tensor {key!r}")
-            digest.update(block)
-    return _CHECKSUM_PREFIX + digest.hexdigest()
+            self.feed(key, self._done, view)
+        return _CHECKSUM_PREFIX + self._digest.hexdigest()
+
+    def _next_tensor(self) -> None:
+        """Step past finished tensors, hashing the description of each tensor stepped onto."""
+        while self._index < len(self._keys) and (
+            self._index < 0 or self._done == _num_bytes(*self._specs[self._keys[self._index]])
+        ):
+            self._index, self._done = self._index + 1, 0
+            if self._index < len(self._keys):
+                dtype, shape = self._specs[self._keys[self._index]]
+                self._digest.update(json.dumps([self._keys[self._index], dtype, list(shape)]).encode())
 
 
 def _pwrite_all(fd, buffer: memoryview, position: int) -> None:

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from jagged_attn.mxfp8 import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.preprocess import inspect_file, preprocess_file, sequence_chunks
-from jagged_attn.serialization import load, save
+from jagged_attn.serialization import MXFP8FileWriter, load, save
 
 EDGE_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 0, 300, 5]
 
@@ -210,11 +210,50 @@ def test_compiled_quantizer_is_bit_identical(tmp_path, axis):
     assert (tmp_path / "False.st").read_bytes() == (tmp_path / "True.st").read_bytes()
 
 
+def test_empty_input(tmp_path):
+    values = torch.randn(0, 2, 64, dtype=torch.bfloat16)
+    save_file({"values": values, "lengths": torch.tensor([0, 0])}, tmp_path / "in.st")
+    stats = preprocess_file(tmp_path / "in.st", tmp_path / "out.st", axis="both", progress=False)
+    assert stats["tokens"] == 0
+    offsets = torch.tensor([0, 0, 0])
+    assert (tmp_path / "out.st").read_bytes() == expected_file(tmp_path / "want.st", values, offsets, "both", "rceil")
+
+
+def test_stage_times_and_thread_count_restored(tmp_path):
+    save_file({"values": ragged_values(EDGE_LENGTHS), "lengths": torch.tensor(EDGE_LENGTHS)}, tmp_path / "in.st")
+    threads = torch.get_num_threads()
+    stats = preprocess_file(tmp_path / "in.st", tmp_path / "out.st", chunk_tokens=100, progress=False)
+    assert torch.get_num_threads() == threads
+    assert set(stats["stage_seconds"]) == {"read", "quantize", "tile", "wait", "hash", "write"}
+    assert all(seconds >= 0 for seconds in stats["stage_seconds"].values())
+
+
+def test_writer_thread_error_surfaces_and_leaves_no_file(tmp_path, monkeypatch):
+    save_file({"values": ragged_values(EDGE_LENGTHS), "lengths": torch.tensor(EDGE_LENGTHS)}, tmp_path / "in.st")
+    calls = []
+
+    def failing_write(writer, name, rows, start):
+        calls.append(start)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        original(writer, name, rows, start)
+
+    original = MXFP8FileWriter.write_data
+    monkeypatch.setattr(MXFP8FileWriter, "write_data", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        preprocess_file(tmp_path / "in.st", tmp_path / "out.st", chunk_tokens=100, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.st"]
+
+
 @pytest.mark.gpu
-def test_gpu_preprocessing_is_byte_identical(tmp_path):
+@pytest.mark.parametrize("chunk_tokens", [None, 500])
+def test_gpu_preprocessing_is_byte_identical(tmp_path, chunk_tokens):
     """device="cuda" quantizes with the fused Triton kernel; the file must not change by a byte."""
-    values = torch.randn(3000, 4, 128, dtype=torch.bfloat16)
-    save_file({"values": values, "lengths": torch.tensor([1000, 0, 33, 1967])}, tmp_path / "in.st")
+    values = torch.randn(3000, 4, 128, dtype=torch.bfloat16) * torch.exp(2 * torch.randn(3000, 1, 1)).bfloat16()
+    save_file({"values": values, "lengths": torch.tensor([1000, 0, 33, 1, 1966])}, tmp_path / "in.st")
     for device in ("cpu", "cuda"):
-        preprocess_file(tmp_path / "in.st", tmp_path / f"{device}.st", axis="both", device=device, progress=False)
+        preprocess_file(tmp_path / "in.st", tmp_path / f"{device}.st", axis="both", device=device,
+                        chunk_tokens=chunk_tokens, progress=False)
     assert (tmp_path / "cpu.st").read_bytes() == (tmp_path / "cuda.st").read_bytes()
+    loaded = load(tmp_path / "cuda.st", device="cuda")
+    assert loaded["sequence"].data.is_cuda

@@ -1,5 +1,6 @@
 """save / load: bit-exact round trips, and every damaged or inconsistent file rejected with ValueError."""
 
+import hashlib
 import json
 import os
 import struct
@@ -252,3 +253,40 @@ def test_load_to_cuda(tmp_path):
     loaded = load(tmp_path / "mx.safetensors", device="cuda")["v"]
     assert loaded.data.is_cuda and loaded.scales.is_cuda and loaded.offsets.is_cuda
     assert_same(loaded.to("cpu"), mx)
+
+
+def _documented_checksum(path):
+    """The checksum as the module docstring defines it, computed from the raw file."""
+    data = path.read_bytes()
+    header = json.loads(data[8 : _payload_start(data)])
+    metadata = {key: value for key, value in header.pop("__metadata__").items() if key != "checksum"}
+    digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+    for key in sorted(header):
+        begin, end = header[key]["data_offsets"]
+        digest.update(json.dumps([key, header[key]["dtype"], header[key]["shape"]]).encode())
+        digest.update(data[_payload_start(data) + begin : _payload_start(data) + end])
+    return "sha256:" + digest.hexdigest()
+
+
+@pytest.mark.parametrize("structure", ["single", "dict"])
+def test_checksum_follows_the_documented_definition(tmp_path, structure):
+    mx = ragged_mx("feature", heads=1, head_dim=32, lengths=[5, 0, 140])
+    path = tmp_path / "mx.safetensors"
+    checksum = save(path, mx if structure == "single" else {"k": mx, "v": ragged_mx("sequence")})
+    assert checksum == _documented_checksum(path)
+
+
+def test_writer_hashes_pieces_in_any_order_and_rejects_rewrites(tmp_path):
+    """Data written back to front is read back for the checksum; a byte written twice is an error."""
+    mx = ragged_mx("feature", heads=2, head_dim=64, lengths=[40, 0, 300, 17])
+    entry = Entry.of(SINGLE_ENTRY_NAME, mx)
+    save(tmp_path / "want.safetensors", mx)
+    with MXFP8FileWriter(tmp_path / "got.safetensors", [entry], {entry.name: mx.offsets}, "single") as writer:
+        writer.write_scale_tiles(entry.name, scale_tiles(mx.scales, entry), 0)
+        for start in (300, 100, 0):
+            writer.write_data(entry.name, mx.data[start : start + 100 if start else 100], start)
+        with pytest.raises(ValueError, match="written a second time"):
+            writer.write_data(entry.name, mx.data[:100], 0)
+        writer.write_data(entry.name, mx.data[200:300], 200)
+        assert writer.close() == _documented_checksum(tmp_path / "got.safetensors")
+    assert (tmp_path / "got.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()
