@@ -28,7 +28,7 @@ P_STATIC_EXP = 8
 def rceil_scale_byte(bits):
     """E8M0 byte from the fp32 bit pattern of ``amax / 448`` (non-negative, finite)."""
     e = (bits + 0x7FFFFF) >> 23
-    return e - e // 255  # 255 would be NaN: clamp to 254
+    return e - ((e + 1) >> 8)  # 255 would be NaN: clamp to 254 (a shift, not a division, in kernels)
 
 
 def floor_scale_byte(bits):

@@ -28,11 +28,11 @@ def snap_to_e4m3_grid(x):
 
 @triton.jit
 def to_e4m3(x, INTERPRET: tl.constexpr):
-    """fp32 -> float8e4nv, round to nearest even, saturating at +-448.
+    """fp32 -> float8e4nv, round to nearest even, saturating at +-448 (on the GPU the conversion
+    itself saturates: ``cvt.rn.satfinite``; NaN stays NaN).
 
     Pass ``INTERPRET=fp8.INTERPRETED`` from the launcher.
     """
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     if INTERPRET:
-        x = snap_to_e4m3_grid(x)
+        x = snap_to_e4m3_grid(tl.minimum(tl.maximum(x, -448.0), 448.0))
     return x.to(tl.float8e4nv)
