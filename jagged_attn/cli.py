@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--axis", default="feature", choices=["feature", "sequence", "both"])
     pre.add_argument("--rounding", default="rceil", choices=["rceil", "floor"])
     pre.add_argument("--heads", type=int, default=None, help="reshape [total, H*D] values to [total, H, D]")
+    pre.add_argument("--device", default="cpu", help="where chunks are quantized: cpu, or cuda (fused Triton kernel)")
+    pre.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk (default: ~16M values)")
 
     insp = sub.add_parser("inspect", help="summarize a preprocessed MXFP8 file")
     insp.add_argument("file")
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
         elif args.command == "preprocess":
             from .preprocess import preprocess_file
 
-            stats = preprocess_file(args.input, args.output, axis=args.axis, rounding=args.rounding, heads=args.heads)
+            stats = preprocess_file(args.input, args.output, axis=args.axis, rounding=args.rounding, heads=args.heads,
+                                    device=args.device, chunk_tokens=args.chunk_tokens)
             print(f"wrote {stats['output']}: {stats['sequences']} sequences, {stats['tokens']} tokens, "
                   f"{stats['output_bytes'] / 2**20:.1f} MiB ({stats['input_bytes'] / 2**20:.1f} MiB in), "
                   f"{stats['tokens_per_s']:.0f} tokens/s, {stats['checksum']}")

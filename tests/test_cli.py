@@ -30,6 +30,8 @@ def test_parser_knows_the_subcommands():
     parser = build_parser()
     assert parser.parse_args(["preprocess", "in.safetensors", "out.safetensors", "--axis", "both"]).axis == "both"
     assert parser.parse_args(["inspect", "f"]).file == "f"
+    args = parser.parse_args(["preprocess", "a", "b", "--device", "cuda", "--chunk-tokens", "4096"])
+    assert (args.device, args.chunk_tokens) == ("cuda", 4096)
 
 
 def test_preprocess_then_inspect_then_load(tmp_path):
@@ -39,7 +41,8 @@ def test_preprocess_then_inspect_then_load(tmp_path):
 
     values = torch.randn(300, 2, 64, dtype=torch.bfloat16)
     safetensors.torch.save_file({"values": values, "lengths": torch.tensor([100, 0, 200])}, tmp_path / "in.st")
-    assert main(["preprocess", str(tmp_path / "in.st"), str(tmp_path / "out.st"), "--axis", "both"]) == 0
+    command = ["preprocess", str(tmp_path / "in.st"), str(tmp_path / "out.st"), "--axis", "both", "--chunk-tokens", "150"]
+    assert main(command) == 0
     assert main(["inspect", str(tmp_path / "out.st")]) == 0
     loaded = ja.load(tmp_path / "out.st")
     expected = ja.quantize_mxfp8(values, torch.tensor([0, 100, 100, 300]), axis="sequence")
