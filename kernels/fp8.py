@@ -1,4 +1,4 @@
-"""FP8 (e4m3) rounding inside Triton kernels.
+"""Rounding to FP8 (e4m3) and bf16 inside Triton kernels, exact in the CPU interpreter too.
 
 On a GPU the hardware cast rounds to nearest even. The Triton CPU interpreter's fp32 -> fp8 cast
 drops the rounding carry, so when interpreted we first snap the value onto the e4m3 grid with
@@ -14,6 +14,8 @@ from .interpreter import INTERPRETED  # noqa: F401  (launchers pass it as the IN
 E4M3_MIN_NORMAL = 0.015625  # 2^-6
 E4M3_SUBNORMAL_STEPS = 512.0  # 1 / 2^-9, the subnormal quantum
 RNE_SHIFTER = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
+BF16_ROUNDING_BIAS = tl.constexpr(0x7FFF)  # added to the fp32 bits bf16 drops: round to nearest (ties: + lsb)
+BF16_KEPT_BITS = tl.constexpr(-65536)  # 0xFFFF0000 as int32: sign, exponent and the 7 mantissa bits of bf16
 
 
 @triton.jit
@@ -36,3 +38,14 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         x = snap_to_e4m3_grid(tl.minimum(tl.maximum(x, -448.0), 448.0))
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def rounded_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in ``dtype`` (bf16, fp16 or fp32), returned as fp32, which
+    holds that value exactly. The interpreter's fp32 -> bf16 cast truncates (and its bf16 subnormals
+    convert back wrongly), so there the bits are rounded in fp32."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits + BF16_ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_KEPT_BITS).to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)

@@ -50,7 +50,6 @@ TILE_WORDS = tl.constexpr(TILE_ROWS * TILE_COLS // 4)  # 32-bit words per 512-by
 MAX_PADDING_ROWS = tl.constexpr(2 * TILE_ROWS)  # a sequence leaves fewer than 256 scale rows without a token
 TMA_ALIGNMENT = 16  # bytes: TMA needs 16-byte-aligned bases and row strides
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
-BF16_KEPT_BITS = tl.constexpr(-65536)  # 0xFFFF0000: the fp32 bits a bf16 keeps
 
 
 class Config(NamedTuple):
@@ -88,15 +87,6 @@ def padded_rows_of(rows, offsets, batch, search_steps):
         seq = tl.where(below & (tl.load(offsets + probe, mask=below, other=0) <= rows), probe, seq)
     start = tl.load(offsets + seq).to(tl.int64)
     return layout.padded_seq_start(start, seq) + rows - start
-
-
-@triton.jit
-def to_bf16(x, INTERPRET: tl.constexpr):
-    """fp32 -> bf16, round to nearest even (the interpreter's own cast truncates: round the bits first)."""
-    if INTERPRET:
-        bits = x.to(tl.int32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & BF16_KEPT_BITS).to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -177,7 +167,7 @@ def _linear_kernel(
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias + cols, mask=cols < n_features).to(tl.float32)[None, :]
-        y_tile = to_bf16(acc, INTERPRET)
+        y_tile = fp8.rounded_to(acc, tl.bfloat16, INTERPRET).to(tl.bfloat16)
         inside = (rows < total)[:, None] & (cols < n_features)[None, :]
         element = rows.to(tl.int64)[:, None] * n_features + cols[None, :]
         if STORE_Y:

@@ -36,12 +36,10 @@ from jagged_attn import mx_format
 from jagged_attn.mxfp8 import HIGH_PRECISION_DTYPES, MXFP8Jagged, check_finite, check_values
 from jagged_attn.offsets import validate_offsets
 
-from . import quantize
+from . import fp8, quantize
 from .interpreter import INTERPRETED
 from .quantize import program_tile, store_mxfp8
 
-BF16_ROUNDING_BIAS = 0x7FFF  # added to fp32 bits below the 16 bf16 keeps: rounds to nearest (ties to even with the lsb)
-BF16_KEPT_BITS = -65536  # 0xFFFF0000 as int32: sign, exponent and the 7 mantissa bits of bf16
 NUM_WARPS = 8
 # Offsets known contiguous in runs of 8 only (program_tile's VECTOR): then the bf16 and e4m3 tiles get
 # the same register layout (8 elements per thread), and the normalized store needs no exchange
@@ -50,17 +48,6 @@ VECTOR_CHANNELS = 8
 # Two 8-warp programs per SM, so that one loads while the other computes. Left free, ptxas (sm_90)
 # takes ~165 registers, which leaves one program per SM; in 128 it spills at most 24 bytes.
 MAX_REGISTERS = 128
-
-
-@triton.jit
-def rounded_to(y, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``y`` rounded to nearest-even in ``dtype``, returned as fp32 (which holds that value exactly)."""
-    if INTERPRET and dtype == tl.bfloat16:
-        # The interpreter's fp32 -> bf16 cast truncates: round on the bits instead.
-        bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + BF16_ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_KEPT_BITS
-        return bits.to(tl.float32, bitcast=True)
-    return y.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -101,7 +88,7 @@ def _rms_norm_quantize_kernel(
     row_rstd = tl.math.rsqrt(mean_square + eps)
     tl.store(rstd + row * HEADS + head, row_rstd, mask=in_slot)
 
-    y = rounded_to(x * row_rstd[:, None] * w[None, :], values.dtype.element_ty, INTERPRET)
+    y = fp8.rounded_to(x * row_rstd[:, None] * w[None, :], values.dtype.element_ty, INTERPRET)
     if STORE_NORMALIZED:
         tl.store(normalized + element, y.to(values.dtype.element_ty), mask=inside)
     store_mxfp8(
