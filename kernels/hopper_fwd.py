@@ -2,10 +2,9 @@
 
 Hopper's FP8 MMA has no block scales, so the operands are rebased (``rebase.py``): Q to one
 exponent per token (by each program, on its own Q tile), K to one per KV tile, V to one per
-(KV tile, head, channel), stored transposed so both wgmma operands are K-major. Those factors
+(sequence, head, channel), stored transposed so both wgmma operands are K-major. Those factors
 leave the MMAs: Q's per-row and K's per-tile factors fold into the softmax scale of each row,
-V's per-(tile, channel) factors scale the columns of each tile's P·V product before it joins the
-running output. (A per-key factor would cost a broadcast column
+V's scale each output channel in the epilogue. (A per-key factor would cost a broadcast column
 vector, ~32 registers per thread, and spilled at 128x128 tiles.)
 
 The softmax runs online in the exp2 domain with the running row maximum rounded up to an
@@ -32,7 +31,6 @@ from jagged_attn.mxfp8 import MXFP8Jagged
 
 from . import fp8, layout
 from .rebase import (
-    TOKENS_PER_PROGRAM,
     quantize_rebase_feature,
     quantize_rebase_sequence,
     rebase_feature,
@@ -49,7 +47,6 @@ P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)
 SCORE_MODES = ("fp8", "fp8-promoted", "bf16")
 SCORE_ACC_STEP = tl.constexpr(32)  # k step at which SCORES="fp8-promoted" adds partial sums in fp32
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
-V_TILE = tl.constexpr(TOKENS_PER_PROGRAM)  # tokens per V exponent (rebase.py); BLOCK_N must divide it
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
@@ -78,17 +75,14 @@ def _attend_tiles(
     k_block,
     vt_block,
     k_tile_factor,
-    v_tile_exponent,
     col_begin,
     col_end,
     BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
     MASKED: tl.constexpr,
     SCORES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i].
-    ``v_tile_exponent`` points at the V exponent bytes ``[D]`` of the sequence's first 128-token tile."""
+    """Online softmax over KV tiles ``[col_begin, col_end)``; when MASKED, row i sees columns <= last_col[i]."""
     k_block = tl.advance(k_block, (col_begin, 0))
     vt_block = tl.advance(vt_block, (0, col_begin))
     # The K tile's factor is loaded one iteration ahead: a load used at once would stall each tile.
@@ -96,7 +90,6 @@ def _attend_tiles(
     for col0 in range(col_begin, col_end, BLOCK_N):
         k_factor = next_k_factor
         next_k_factor = tl.load(k_tile_factor + col0 // BLOCK_N + 1, mask=col0 + BLOCK_N < col_end, other=0.0)
-        v_byte = tl.load(v_tile_exponent + (col0 // V_TILE) * D + tl.arange(0, D)).to(tl.int32)
         if MASKED:
             k = tl.load(k_block, boundary_check=(0,), padding_option="zero")
         else:
@@ -120,7 +113,7 @@ def _attend_tiles(
         vt = tl.load(vt_block)  # zero-padded to a multiple of 128 tokens (rebase.py)
         # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
         # alignment, which biases small late tiles towards zero when added to a large running O.
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(vt)) * layout.scale_value(v_byte)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
         row_max = new_max
         k_block = tl.advance(k_block, (BLOCK_N, 0))
         vt_block = tl.advance(vt_block, (0, BLOCK_N))
@@ -145,6 +138,7 @@ def _attention_forward_kernel(
     q_col_tiles,
     k_groups,
     t_pad,
+    batch,
     HEADS_Q: tl.constexpr,
     HEADS_KV: tl.constexpr,
     D: tl.constexpr,
@@ -195,7 +189,6 @@ def _attention_forward_kernel(
         order=(1, 0),
     )
     k_tile_factor = k_factor + kv_head * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
-    v_tile_exponent = v_exponent + (kv_head * (t_pad // V_TILE) + layout.padded_seq_start(k_start, seq) // V_TILE) * D
 
     # Query i sees keys j <= i + diagonal (causal, bottom-right aligned).
     diagonal = len_k - len_q
@@ -223,11 +216,9 @@ def _attention_forward_kernel(
         k_block,
         vt_block,
         k_tile_factor,
-        v_tile_exponent,
         0,
         unmasked_end,
         BLOCK_N,
-        D,
         False,
         SCORES,
         INTERPRET,
@@ -242,20 +233,19 @@ def _attention_forward_kernel(
         k_block,
         vt_block,
         k_tile_factor,
-        v_tile_exponent,
         unmasked_end,
         col_end,
         BLOCK_N,
-        D,
         True,
         SCORES,
         INTERPRET,
     )
 
     channels = tl.arange(0, D)
+    v_factor = layout.scale_value(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32))
     seen = row_sum > 0.0
     inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)
-    o = acc * inverse_sum[:, None]
+    o = acc * inverse_sum[:, None] * v_factor[None, :]
     tokens = q_start + rows
     tl.store(
         out + (tokens * HEADS_Q + head)[:, None] * D + channels[None, :],
@@ -310,6 +300,7 @@ def _forward(
             q_col_tiles,
             k_factor.shape[1],
             vt.shape[2],
+            offsets_q.numel() - 1,
             HEADS_Q=heads_q,
             HEADS_KV=heads_kv,
             D=dim,

@@ -13,15 +13,13 @@ non-reduced index, in a single pass over the data:
   Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``. The ``exact`` form
   (for S from a bf16 MMA) skips the shift: each element becomes its MX value in bf16, which holds
   every e4m3 value times a power of two exactly, and the factors are 1.
-* sequence axis (V): each (128-token tile of a sequence, head, channel) gets the maximum exponent
-  of its four 32-token blocks, the same shift is applied, and the data is stored transposed,
-  ``[H, D, padded_total]`` with tokens contiguous, so that P·V reads V K-major. Token ``i`` of
-  sequence ``b`` sits at column ``padded_seq_start(offsets[b], b) + i``: every sequence starts
-  128-aligned, so the kernel's loads of it are provably 16-byte aligned, and the columns up to its
-  next multiple of 128 hold zeros, so a tile of up to 128 tokens never needs a bounds check.
-  Output: that tensor and the uint8 exponent bytes ``[H, padded_total / 128, D]`` (tile ``t`` of
-  the padded columns at row ``t``). A tile's exponent needs only the tile, so this is one pass;
-  the forward applies each tile's per-channel factor to that tile's P·V product.
+* sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
+  blocks, the same shift is applied, and the data is stored transposed, ``[H, D, padded_total]``
+  with tokens contiguous, so that P·V reads V K-major. Token ``i`` of sequence ``b`` sits at
+  column ``padded_seq_start(offsets[b], b) + i``: every sequence starts 128-aligned, so the
+  kernel's loads of it are provably 16-byte aligned, and the columns up to its next multiple of
+  128 hold zeros, so a tile of up to 128 tokens never needs a bounds check. Output: that tensor and the uint8 exponent
+  bytes ``[H, B, D]``.
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
 tiled scale buffer) or high-precision values, quantized here with the same numbers as
@@ -181,8 +179,31 @@ def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, sca
 
 
 @triton.jit
+def _sequence_exponent_kernel(
+    src, scales, offsets, exponent, batch, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr,
+):
+    """exponent[head, seq, :] = the largest block byte of each channel over the sequence."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    start, length = layout.sequence_span(offsets, seq)
+    largest = tl.zeros((D,), dtype=tl.int32)
+    for first_row in range(0, length, BLOCK_T):
+        if FROM_HIGH_PRECISION:
+            rows = first_row + tl.arange(0, BLOCK_T)
+            byte = _sequence_bytes_of_values(_load_rows(src, head, start, rows, length, HEADS, D), BLOCK_T, D, FLOOR)
+        else:
+            byte = _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, scale_bytes_per_head,
+                                               n_col_tiles, BLOCK_T, D)
+        largest = tl.maximum(largest, tl.max(byte, axis=0))
+    channels = tl.arange(0, D)
+    tl.store(exponent + (head.to(tl.int64) * batch + seq) * D + channels, largest.to(tl.uint8))
+
+
+@triton.jit
 def _rebase_sequence_kernel(
-    src, scales, offsets, work, exponent, dst, t_pad, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -199,11 +220,9 @@ def _rebase_sequence_kernel(
                                            n_col_tiles, BLOCK_T, D)
         x = tl.reshape(x, (BLOCK_T // 32, 32, D))
     channels = tl.arange(0, D)
-    tile_byte = tl.max(byte, axis=0)
-    rebased = fp8.to_e4m3(x * exp2_int(byte - tile_byte[None, :])[:, None, :], INTERPRET)
+    channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
+    rebased = fp8.to_e4m3(x * exp2_int(byte - channel_byte[None, :])[:, None, :], INTERPRET)
     padded_rows = layout.padded_seq_start(start, seq) + rows
-    padded_tile = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // BLOCK_T
-    tl.store(exponent + (head.to(tl.int64) * (t_pad // BLOCK_T) + padded_tile) * D + channels, tile_byte.to(tl.uint8))
     transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + padded_rows[:, None]
     # Rows past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
     tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)))
@@ -241,14 +260,19 @@ def _rebase_sequence(values, offsets, mx, rounding):
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
     transposed = torch.empty(heads, dim, t_pad, dtype=torch.float8_e4m3fn, device=values.device)
-    exponent = torch.empty(heads, t_pad // TOKENS_PER_PROGRAM, dim, dtype=torch.uint8, device=values.device)
+    exponent = torch.empty(heads, batch, dim, dtype=torch.uint8, device=values.device)
     work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
     scales, per_head, col_tiles = scale_args(mx, "sequence", total, batch, dim, values.device)
+    common = dict(HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
+                  FLOOR=rounding == "floor")
+    if batch:
+        _sequence_exponent_kernel[(batch, heads)](
+            values, scales, offsets, exponent, batch, per_head, col_tiles, **common
+        )
     if work.shape[0]:
         _rebase_sequence_kernel[(work.shape[0], heads)](
-            values, scales, offsets, work, exponent, transposed, t_pad, per_head, col_tiles,
-            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
-            FLOOR=rounding == "floor", INTERPRET=fp8.INTERPRETED,
+            values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
+            INTERPRET=fp8.INTERPRETED, **common,
         )
     return transposed, exponent
 
@@ -273,13 +297,12 @@ def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, roundin
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, padded_total]``, tokens contiguous at
-    their padded columns, on one exponent per (128-token tile, head, channel); uint8 exponent bytes
-    ``[H, padded_total / 128, D]``, the tile holding padded column ``c`` at row ``c // 128``)."""
+    their padded rows, on one exponent per (sequence, head, channel); uint8 exponent bytes ``[H, B, D]``)."""
     return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding)
 
 
 def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil"):
     """Like ``rebase_sequence(quantize_mxfp8(values, offsets, axis="sequence", rounding=rounding))``,
-    in one pass over bf16/fp16/fp32 ``values [total, H, D]``."""
+    reading bf16/fp16/fp32 ``values [total, H, D]`` twice (exponents, then data)."""
     return _rebase_sequence(values, offsets, None, mx_format.check_rounding(rounding))
 
