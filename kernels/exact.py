@@ -33,7 +33,14 @@ from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, quantize_mxfp8_dual, 
 from jagged_attn.offsets import max_length
 
 from . import fp8
-from .layout import padded_seq_start, scale_byte_of_amax, scale_byte_offset, scale_factor, sequence_span
+from .layout import (
+    padded_seq_start,
+    scale_byte_of_amax,
+    scale_byte_offset,
+    scale_factor,
+    sequence_span,
+    tile_and_sequence,
+)
 
 MX_BLOCK = tl.constexpr(mx_format.BLOCK_SIZE)
 P_STATIC_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
@@ -138,6 +145,7 @@ def forward_kernel(
     lse_ptr,
     offsets_q,
     offsets_k,
+    batch,
     q_head_bytes,
     k_head_bytes,
     v_head_bytes,
@@ -153,7 +161,8 @@ def forward_kernel(
     INTERPRET: tl.constexpr,
 ):
     """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
-    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, seq = tile_and_sequence(batch)
+    head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q, seq)
     k_start, len_k = sequence_span(offsets_k, seq)
     if tile * BLOCK_M >= len_q:
@@ -312,6 +321,7 @@ def dkdv_kernel(
     dv_ptr,
     offsets_q,
     offsets_k,
+    batch,
     q_feature_head_bytes,
     q_sequence_head_bytes,
     k_feature_head_bytes,
@@ -335,7 +345,8 @@ def dkdv_kernel(
     dV = P^T dO (P on the static 2^8 scale, dO on the sequence axis); dK = dS^T Q (Q on the sequence
     axis); S and dP from head_dim-axis Q, K, V, dO (DESIGN.md section 3).
     """
-    tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, seq = tile_and_sequence(batch)
+    kv_head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q, seq)
     k_start, len_k = sequence_span(offsets_k, seq)
     if tile * BLOCK_N >= len_k:
@@ -441,6 +452,7 @@ def dq_kernel(
     dq_ptr,
     offsets_q,
     offsets_k,
+    batch,
     q_feature_head_bytes,
     k_feature_head_bytes,
     k_sequence_head_bytes,
@@ -459,7 +471,8 @@ def dq_kernel(
 
     It recomputes the same dS tiles as :func:`dkdv_kernel` (no atomics: deterministic).
     """
-    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, seq = tile_and_sequence(batch)
+    head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q, seq)
     k_start, len_k = sequence_span(offsets_k, seq)
     if tile * BLOCK_M >= len_q:
@@ -593,7 +606,7 @@ def attention_forward(
 
     out = torch.empty(total_q, heads_q, head_dim, dtype=out_dtype, device=q.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(max_length(q.offsets), BLOCK_M), q.batch_size, heads_q)
+    grid = (triton.cdiv(max_length(q.offsets), BLOCK_M) * q.batch_size, heads_q)
     if 0 in grid:
         return out, lse
     q_scales, k_scales, v_scales = _scale_bytes(q), _scale_bytes(k), _scale_bytes(v)
@@ -608,6 +621,7 @@ def attention_forward(
         lse,
         q.offsets,
         k.offsets,
+        q.batch_size,
         q_scales.stride(0),
         k_scales.stride(0),
         v_scales.stride(0),
@@ -659,7 +673,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     }
     lse = lse.contiguous()
     meta = _launch_meta(head_dim, causal)
-    dkdv_grid = (triton.cdiv(max_length(offsets_k), BLOCK_N), batch, heads_kv)
+    dkdv_grid = (triton.cdiv(max_length(offsets_k), BLOCK_N) * batch, heads_kv)
     if 0 not in dkdv_grid:
         dkdv_kernel[dkdv_grid](
             q_feature.data,
@@ -680,6 +694,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
             dv,
             offsets_q,
             offsets_k,
+            batch,
             scales["q"].stride(0),
             scales["q_seq"].stride(0),
             scales["k"].stride(0),
@@ -690,7 +705,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
             BLOCK_M=DKDV_BLOCK_M,
             **meta,
         )
-    dq_grid = (triton.cdiv(max_length(offsets_q), BLOCK_M), batch, heads_q)
+    dq_grid = (triton.cdiv(max_length(offsets_q), BLOCK_M) * batch, heads_q)
     if 0 not in dq_grid:
         dq_kernel[dq_grid](
             q_feature.data,
@@ -708,6 +723,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
             dq,
             offsets_q,
             offsets_k,
+            batch,
             scales["q"].stride(0),
             scales["k"].stride(0),
             scales["k_seq"].stride(0),

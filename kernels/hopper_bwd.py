@@ -50,7 +50,7 @@ from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8
-from .layout import padded_seq_start, scale_byte_of_amax, scale_factor, scale_value, sequence_span
+from .layout import padded_seq_start, scale_byte_of_amax, scale_factor, scale_value, sequence_span, tile_and_sequence
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
@@ -122,7 +122,8 @@ def _sequence_amax_kernel(
     """Per-(head, sequence, channel) absolute maxima of :func:`_sequence_axis_values` into
     ``amax`` (int32 bits of the fp32 values, ``[H, B, D]``, zero-initialized): non-negative
     floats order like their bits."""
-    tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, b = tile_and_sequence(batch)
+    h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
     if tile * TILE >= seq_len:
         return
@@ -151,7 +152,8 @@ def _quantize_kernel(
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key).
     """
-    tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, b = tile_and_sequence(batch)
+    h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
     if tile * TILE >= seq_len:
         return
@@ -296,7 +298,8 @@ def _dkdv_kernel(
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
     ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
     """
-    n_tile, b, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_tile, b = tile_and_sequence(batch)
+    kv_head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q_ptr, b)
     k_start, len_k = sequence_span(offsets_k_ptr, b)
     n_start = n_tile * BLOCK_N
@@ -395,7 +398,8 @@ def _dq_kernel(
     """dQ of one (BLOCK_M query tile, sequence, query head), looping over its key tiles in order
     (no atomics: bit-identical run to run). Layouts as in :func:`_dkdv_kernel`; dq in the output
     dtype ``[total_q, Hq, D]``."""
-    m_tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m_tile, b = tile_and_sequence(batch)
+    h = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q_ptr, b)
     k_start, len_k = sequence_span(offsets_k_ptr, b)
     m_start = m_tile * BLOCK_M
@@ -472,7 +476,7 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
     if max_len == 0:
         return result, delta, lse2
-    grid = (triton.cdiv(max_len, PRODUCER_TILE), batch, heads)
+    grid = (triton.cdiv(max_len, PRODUCER_TILE) * batch, heads)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
                  num_warps=PRODUCER_WARPS)
     amax = torch.zeros(heads, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
@@ -551,7 +555,7 @@ def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_re
     dq_desc = dq_accum
     if tma_reduce:
         dq_desc = TensorDescriptor.from_tensor(dq_accum.view(prep.total_q, -1), [block_m, prep.dim])
-    _dkdv_kernel[(triton.cdiv(prep.max_len_k, block_n), prep.batch, prep.heads_kv)](
+    _dkdv_kernel[(triton.cdiv(prep.max_len_k, block_n) * prep.batch, prep.heads_kv)](
         q.feature, q.feature_scale, q.sequence, q.sequence_scale,
         k.feature, k.feature_scale, k.sequence, k.sequence_scale,
         v.feature, v.feature_scale,
@@ -565,7 +569,7 @@ def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_re
 def _launch_dq(prep, dq, *, softmax_scale, tma_reduce, block_m, block_n, **shape):
     """dQ by the deterministic kernel (``tma_reduce`` does not apply)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
-    _dq_kernel[(triton.cdiv(prep.max_len_q, block_m), prep.batch, prep.heads_q)](
+    _dq_kernel[(triton.cdiv(prep.max_len_q, block_m) * prep.batch, prep.heads_q)](
         q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
         v.feature, v.feature_scale, do.feature, do.feature_scale, prep.lse2, prep.delta, dq,
         prep.offsets_q, prep.offsets_k, prep.total_q, prep.total_k, prep.padded_k, prep.batch, softmax_scale,

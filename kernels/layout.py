@@ -54,3 +54,12 @@ def scale_value(byte):
     """Exact fp32 ``2^(byte - 127)``, the value of an E8M0 byte in [0, 254] (byte 0: subnormal 2^-127)."""
     bits = tl.where(byte > 0, byte << 23, 0x00400000)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tile_and_sequence(batch):
+    """(tile, sequence) of this program when grid axis 0 runs over ``tiles x batch`` programs, tile
+    fastest: grid axes 1 and 2 stop at 65535, fewer than a batch may have sequences."""
+    tiles = tl.num_programs(0) // batch
+    program = tl.program_id(0)
+    return program % tiles, program // tiles

@@ -1,7 +1,7 @@
 """Benchmark offline preprocessing (``preprocess_file``) against this machine's own ceilings.
 
 Measures, in one process: memory copy bandwidth (a 1 GiB ``Tensor.copy_`` into a reused buffer,
-1 and 2 threads, and the same into freshly allocated memory), the rate of writing a new file and
+1, 2 and all threads, and the same into freshly allocated memory), the rate of writing a new file and
 of reading it back from the page cache (in the output directory and in /dev/shm), SHA-256, and the
 compiled quantizer alone on one in-memory chunk. Then runs ``preprocess_file`` on a bf16 input
 (made here unless ``--input`` is given: ``[tokens, 1024]`` values read with ``heads=8``, lognormal
@@ -140,7 +140,7 @@ def main() -> None:
         write_rate[directory] = new
         print(f"file in {directory}: new file {new:.2f} GB/s, overwrite {overwrite:.2f} GB/s, "
               f"page-cache read {cached:.2f} GB/s")
-    copy = {threads: copy_rates(threads) for threads in (1, 2)}
+    copy = {threads: copy_rates(threads) for threads in sorted({1, 2, torch.get_num_threads()})}
     for threads, (reused, fresh) in copy.items():
         print(f"memory copy, {threads} thread(s): {reused:.1f} GB/s into a reused buffer, "
               f"{fresh:.1f} GB/s into fresh memory (bytes copied per s; read + write is twice that)")
