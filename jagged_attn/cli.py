@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .backends import BACKENDS
+from .mx_format import ROUNDINGS
+
 
 def _lengths(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -20,14 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     demo.add_argument("--head-dim", type=int, default=128)
     demo.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
-    demo.add_argument("--backend", default="auto", choices=["auto", "reference", "triton", "exact"])
+    demo.add_argument("--backend", default="auto", choices=BACKENDS)
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
     pre = sub.add_parser("preprocess", help="quantize a jagged tensor file to MXFP8 offline")
     pre.add_argument("input")
     pre.add_argument("output")
     pre.add_argument("--axis", default="feature", choices=["feature", "sequence", "both"])
-    pre.add_argument("--rounding", default="rceil", choices=["rceil", "floor"])
+    pre.add_argument("--rounding", default="rceil", choices=ROUNDINGS)
     pre.add_argument("--heads", type=int, default=None, help="reshape [total, H*D] values to [total, H, D]")
     pre.add_argument("--device", default="cpu", help="where chunks are quantized: cpu, or cuda (fused Triton kernel)")
     pre.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk (default: ~16M values)")

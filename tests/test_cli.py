@@ -41,7 +41,8 @@ def test_preprocess_then_inspect_then_load(tmp_path):
 
     values = torch.randn(300, 2, 64, dtype=torch.bfloat16)
     safetensors.torch.save_file({"values": values, "lengths": torch.tensor([100, 0, 200])}, tmp_path / "in.st")
-    command = ["preprocess", str(tmp_path / "in.st"), str(tmp_path / "out.st"), "--axis", "both", "--chunk-tokens", "150"]
+    command = ["preprocess", str(tmp_path / "in.st"), str(tmp_path / "out.st"), "--axis", "both",
+               "--chunk-tokens", "150"]
     assert main(command) == 0
     assert main(["inspect", str(tmp_path / "out.st")]) == 0
     loaded = ja.load(tmp_path / "out.st")
