@@ -1,8 +1,11 @@
 """Scale-tile layout and jagged placement: against torch's to_blocked and the closed-form rules."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from torch.testing._internal.common_quantized import from_blocked, to_blocked
+
+pytest.importorskip("expecttest")  # torch's internal test helpers need it (the [test] extra installs it)
+from torch.testing._internal.common_quantized import from_blocked, to_blocked  # noqa: E402
 
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_total, sequence_ids
 from jagged_attn.scale_layout import TILE_BYTES, from_tiles, scale_byte_offset, scale_tile_offset, to_tiles
