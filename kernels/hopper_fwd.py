@@ -322,7 +322,6 @@ def attention_forward(
     softmax_scale: float,
     out_dtype=torch.bfloat16,
     scores="fp8",
-    config=None,
 ):
     """Jagged attention of MXFP8 inputs (validated by the caller).
 
@@ -330,9 +329,9 @@ def attention_forward(
     offsets equal to k's. Returns (out ``[total_q, Hq, D]`` out_dtype, lse fp32 ``[total_q, Hq]``, natural
     log; rows that see no key get out = 0 and lse = -inf). Causal is bottom-right aligned.
     K and V are rebased in one pass each; Q is rebased inside the kernel. ``scores`` picks how S is
-    computed (:func:`tile_config`); ``config`` overrides all of ``tile_config(D, scores)`` (tuning).
+    computed (:func:`tile_config`).
     """
-    config = tile_config(q.head_dim, scores) if config is None else config
+    config = tile_config(q.head_dim, scores)
     k8, k_factor = rebase_feature(k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     vt, v_exponent = rebase_sequence(v)
     return _forward(
@@ -352,11 +351,11 @@ def attention_forward(
 
 
 def attention_forward_hp(
-    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, scores="fp8", config=None
+    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, scores="fp8"
 ):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
-    config = tile_config(q.shape[-1], scores) if config is None else config
+    config = tile_config(q.shape[-1], scores)
     k8, k_factor = quantize_rebase_feature(
         k, offsets_k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"
     )

@@ -121,11 +121,11 @@ CPU_CASES = [
 ]
 
 
-def forward_and_reference(mq, mk, mv, causal, scale, config=None):
-    """Our forward (fp32 output; ``config`` as ``tile_config``'s) and the reference backend's fp64 one
+def forward_and_reference(mq, mk, mv, causal, scale, scores="fp8"):
+    """Our forward (fp32 output; S computed as ``scores`` says) and the reference backend's fp64 one
     on the same MXFP8 inputs."""
     out, lse = hopper_fwd.attention_forward(
-        mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32, config=config
+        mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32, scores=scores
     )
     ref_out, ref_lse = reference.reference_forward(
         mq.dequantize(),
@@ -153,14 +153,13 @@ def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, di
 def test_forward_score_variants_match_reference(poisoned, scores):
     q, k, v, offsets_q, offsets_k = make_inputs([0, 1, 33, 129], [5, 130, 31, 128], 4, 2, 64, "outlier_channel")
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
-    config = dict(hopper_fwd.tile_config(64), SCORES=scores)
-    check_against_reference(*forward_and_reference(mq, mk, mv, True, 0.125, config))
+    check_against_reference(*forward_and_reference(mq, mk, mv, True, 0.125, scores))
 
 
 @pytest.mark.parametrize("scores", ["fp8", "bf16"])
 def test_forward_high_precision_equals_quantize_then_forward(poisoned, scores):
     q, k, v, offsets_q, offsets_k = make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64, dtype=torch.bfloat16)
-    options = dict(causal=True, softmax_scale=0.125, config=dict(hopper_fwd.tile_config(64), SCORES=scores))
+    options = dict(causal=True, softmax_scale=0.125, scores=scores)
     out, lse = hopper_fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, **options)
     assert out.dtype == torch.bfloat16
     mx_out, mx_lse = hopper_fwd.attention_forward(*quantized(q, k, v, offsets_q, offsets_k), **options)
@@ -249,11 +248,11 @@ HARDWARE_COSINE_SLACK = 1e-3
 FP8_SCORE_PRECISION = 2.0**-9  # LSE error allowed per unit of the row's largest possible |score|
 
 
-def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, config=None):
+def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="fp8"):
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim, kind)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = 1 / math.sqrt(dim)
-    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, scale, config)
+    out, lse, ref_out, ref_lse = forward_and_reference(mq, mk, mv, causal, scale, scores)
     exact_out, _ = reference.reference_forward(
         q.double(),
         k.double(),
@@ -267,7 +266,6 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, config=None):
     )
     finite = torch.isfinite(ref_lse)
     lse_error = float((lse[finite].double() - ref_lse[finite]).abs().amax()) if finite.any() else 0.0
-    scores = (config or hopper_fwd.tile_config(dim))["SCORES"]
     print(
         f"[{scores}] {kind} d{dim} causal={causal}: O rel-L2 vs reference {relative_l2(out, ref_out):.2e}, vs fp64 "
         f"{relative_l2(out, exact_out):.3e} (reference {relative_l2(ref_out, exact_out):.3e}); cosine "
@@ -304,7 +302,7 @@ FP32_SCORE_PRECISION = 2.0**-18  # exact products, fp32 sums: LSE error per unit
 def test_gpu_precise_scores_meet_the_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
     """SCORES="bf16" (backend "triton-precise"): O within 1e-2 of the reference and cosine within 1e-4
     of its on every kind; LSE within 1e-3 or, where |scores| reach the thousands, fp32's resolution."""
-    run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, hopper_fwd.tile_config(dim, scores="bf16"))
+    run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="bf16")
     check_bounds(*run, O_TOLERANCE, COSINE_SLACK, FP32_SCORE_PRECISION)
 
 
