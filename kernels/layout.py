@@ -24,6 +24,20 @@ def sequence_span(offsets, seq):
 
 
 @triton.jit
+def padded_rows_of(rows, offsets, batch, search_steps):
+    """Padded row (``offsets.padded_seq_start`` placement) of each token row in ``rows`` (< total), for
+    kernels whose tiles ignore sequence boundaries: its sequence ``b`` is the last with
+    ``offsets[b] <= row``, found in ``search_steps = batch.bit_length()`` halving steps."""
+    seq = tl.zeros_like(rows)
+    for i in range(search_steps):
+        probe = seq + (1 << (search_steps - 1 - i))
+        below = probe < batch  # offsets[batch] = total exceeds every row: never the answer
+        seq = tl.where(below & (tl.load(offsets + probe, mask=below, other=0) <= rows), probe, seq)
+    start = tl.load(offsets + seq).to(tl.int64)
+    return padded_seq_start(start, seq) + rows - start
+
+
+@triton.jit
 def scale_byte_offset(row, col, n_col_tiles):
     """Byte offset of scale-matrix entry (row, col) in one head's tiled buffer."""
     return scale_tile_base(row // 128, col // 4, n_col_tiles) + scale_tile_offset(row % 128, col % 4)

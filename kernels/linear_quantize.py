@@ -77,19 +77,6 @@ CONFIGS = (
 
 
 @triton.jit
-def padded_rows_of(rows, offsets, batch, search_steps):
-    """Scale-buffer row of each token row in ``rows`` (< total): its sequence ``b`` is the last with
-    ``offsets[b] <= row``, found in ``search_steps = batch.bit_length()`` halving steps."""
-    seq = tl.zeros_like(rows)
-    for i in range(search_steps):
-        probe = seq + (1 << (search_steps - 1 - i))
-        below = probe < batch  # offsets[batch] = total exceeds every row: never the answer
-        seq = tl.where(below & (tl.load(offsets + probe, mask=below, other=0) <= rows), probe, seq)
-    start = tl.load(offsets + seq).to(tl.int64)
-    return layout.padded_seq_start(start, seq) + rows - start
-
-
-@triton.jit
 def scale_words(byte, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, BLOCKS_PER_WORD: tl.constexpr):
     """int32 ``[BLOCK_M, WORDS]``: each run of ``BLOCKS_PER_WORD`` bytes of ``byte`` packed
     little-endian into one word (a tile row's four columns; missing columns are zero)."""
@@ -183,7 +170,8 @@ def _linear_kernel(
             word = scale_words(byte, BLOCK_M, words, word_channels // 32)
             channel = tile_n * BLOCK_N + word_channels * tl.arange(0, words)
             head_word = (channel // D) * words_per_head + (channel % D) // WORD_CHANNELS * TILE_WORDS
-            row_word = layout.scale_byte_offset(padded_rows_of(rows, offsets, batch, search_steps), 0, n_col_tiles) // 4
+            padded_rows = layout.padded_rows_of(rows, offsets, batch, search_steps)
+            row_word = layout.scale_byte_offset(padded_rows, 0, n_col_tiles) // 4
             word_inside = (rows < total)[:, None] & (channel < n_features)[None, :]
             tl.store(scale_words_ + row_word[:, None] + head_word[None, :], word, mask=word_inside)
 
