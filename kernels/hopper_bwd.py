@@ -50,7 +50,15 @@ from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8
-from .layout import padded_seq_start, scale_byte_of_amax, scale_factor, scale_value, sequence_span, tile_and_sequence
+from .layout import (
+    byte_ratio,
+    padded_seq_start,
+    scale_byte_of_amax,
+    scale_factor,
+    scale_value,
+    sequence_span,
+    tile_and_sequence,
+)
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
@@ -82,7 +90,7 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
     that brings an accumulator kept in units of the old running scale to the new one).
     """
     byte = tl.maximum(scale_byte_of_amax(tl.max(tl.max(tl.abs(x), axis=1), axis=0), False), running_byte)
-    rescale = scale_value(tl.maximum(running_byte - byte + 127, 0))
+    rescale = byte_ratio(running_byte, byte)
     return fp8.to_e4m3(x * scale_factor(byte), INTERPRET), byte, rescale
 
 

@@ -71,6 +71,14 @@ def scale_value(byte):
 
 
 @triton.jit
+def byte_ratio(byte, larger_byte):
+    """Exact fp32 ``2^(byte - larger_byte)`` (<= 1) for E8M0 bytes ``byte <= larger_byte``: the factor
+    that moves values from one block scale onto a larger one (below 2^-127 it stays 2^-127, far
+    under anything an e4m3 grid or an fp32 accumulator of such values resolves)."""
+    return scale_value(tl.maximum(byte - larger_byte + 127, 0))
+
+
+@triton.jit
 def tile_and_sequence(batch):
     """(tile, sequence) of this program when grid axis 0 runs over ``tiles x batch`` programs, tile
     fastest: grid axes 1 and 2 stop at 65535, fewer than a batch may have sequences."""

@@ -43,14 +43,6 @@ TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis 
 
 
 @triton.jit
-def exp2_int(e):
-    """Exact fp32 ``2^e`` for an integer shift ``e`` between two E8M0 bytes, clamped to the normal
-    range [-126, 127] (the value of one byte is ``layout.scale_value``)."""
-    e = tl.minimum(tl.maximum(e, -126), 127)
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
     """fp32 ``x`` divided by ``2^(byte - 127)``, rounded to e4m3, returned as fp32 values."""
     return fp8.to_e4m3(x * layout.scale_factor(byte), INTERPRET).to(tl.float32)
@@ -92,7 +84,7 @@ def rebased_feature_rows(
                            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
     group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
-    rebased = fp8.to_e4m3(x * exp2_int(byte - row_byte[:, None])[:, :, None], INTERPRET)
+    rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], INTERPRET)
     return tl.reshape(rebased, (BLOCK_T, D)), group_byte
 
 
@@ -221,7 +213,7 @@ def _rebase_sequence_kernel(
         x = tl.reshape(x, (BLOCK_T // 32, 32, D))
     channels = tl.arange(0, D)
     channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
-    rebased = fp8.to_e4m3(x * exp2_int(byte - channel_byte[None, :])[:, None, :], INTERPRET)
+    rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, channel_byte[None, :])[:, None, :], INTERPRET)
     padded_rows = layout.padded_seq_start(start, seq) + rows
     transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + padded_rows[:, None]
     # Rows past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
