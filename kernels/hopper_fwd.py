@@ -31,11 +31,9 @@ from jagged_attn.mxfp8 import MXFP8Jagged
 
 from . import fp8, layout
 from .rebase import (
-    quantize_rebase_feature,
-    quantize_rebase_sequence,
-    rebase_feature,
-    rebase_sequence,
     dequantized_feature_rows,
+    quantize_rebase_kv,
+    rebase_kv,
     rebased_feature_rows,
     scale_args,
 )
@@ -332,15 +330,11 @@ def attention_forward(
     computed (:func:`tile_config`).
     """
     config = tile_config(q.head_dim, scores)
-    k8, k_factor = rebase_feature(k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16")
-    vt, v_exponent = rebase_sequence(v)
+    rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     return _forward(
         q.data,
         q,
-        k8,
-        k_factor,
-        vt,
-        v_exponent,
+        *rebased_kv,
         q.offsets,
         k.offsets,
         causal=causal,
@@ -356,17 +350,11 @@ def attention_forward_hp(
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
     config = tile_config(q.shape[-1], scores)
-    k8, k_factor = quantize_rebase_feature(
-        k, offsets_k, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"
-    )
-    vt, v_exponent = quantize_rebase_sequence(v, offsets_k)
+    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     return _forward(
         q,
         None,
-        k8,
-        k_factor,
-        vt,
-        v_exponent,
+        *rebased_kv,
         offsets_q,
         offsets_k,
         causal=causal,

@@ -37,7 +37,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from . import fp8, layout
-from .schedule import work_list
+from .schedule import tile_list
 
 TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis blocks never straddle programs
 
@@ -132,7 +132,7 @@ def _rebase_feature_kernel(
 @triton.jit
 def _claimed_tile(work, offsets, BLOCK_T: tl.constexpr):
     """(sequence, tile, sequence start, sequence length, the tile's rows) of this program's slot of
-    ``schedule.work_list``; sequence -1 marks an unused slot (the rest is then meaningless)."""
+    ``schedule.tile_list``; sequence -1 marks an unused slot (the rest is then meaningless)."""
     slot = tl.program_id(0)
     seq = tl.load(work + 2 * slot)
     tile = tl.load(work + 2 * slot + 1)
@@ -228,7 +228,12 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
     return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
-def _rebase_feature(values, offsets, mx, rounding, group, exact):
+def _tiles(offsets, total):
+    """The rebasing passes' work: every 128-token tile once (they all cost the same)."""
+    return tile_list(offsets, total, TOKENS_PER_PROGRAM)
+
+
+def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
@@ -236,7 +241,6 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact):
     dtype = (torch.float32 if fp8.INTERPRETED else torch.bfloat16) if exact else torch.float8_e4m3fn
     data = torch.empty(values.shape, dtype=dtype, device=values.device)
     factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
-    work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0], heads)](
@@ -247,13 +251,12 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact):
     return data, factor
 
 
-def _rebase_sequence(values, offsets, mx, rounding):
+def _rebase_sequence(values, offsets, mx, rounding, work):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
     transposed = torch.empty(heads, dim, t_pad, dtype=torch.float8_e4m3fn, device=values.device)
     exponent = torch.empty(heads, batch, dim, dtype=torch.uint8, device=values.device)
-    work = work_list(offsets, offsets, total, TOKENS_PER_PROGRAM, causal=False)
     scales, per_head, col_tiles = scale_args(mx, "sequence", total, batch, dim, values.device)
     common = dict(HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
                   FLOOR=rounding == "floor")
@@ -277,24 +280,41 @@ def rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False) -> tupl
     ``(padded_seq_start(offsets[b], b) + i) // group``. With ``exact`` the data are the exact MX
     values in bf16 (fp32 when interpreted) and every factor is 1.
     """
-    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group, exact)
+    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group, exact, _tiles(mx.offsets, mx.total))
 
 
 def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1,
                             exact: bool = False):
     """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group, exact)``,
     in one pass over bf16/fp16/fp32 ``values [total, H, D]``."""
-    return _rebase_feature(values, offsets, None, mx_format.check_rounding(rounding), group, exact)
+    rounding = mx_format.check_rounding(rounding)
+    return _rebase_feature(values, offsets, None, rounding, group, exact, _tiles(offsets, values.shape[0]))
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, padded_total]``, tokens contiguous at
     their padded rows, on one exponent per (sequence, head, channel); uint8 exponent bytes ``[H, B, D]``)."""
-    return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding)
+    return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding, _tiles(mx.offsets, mx.total))
 
 
 def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil"):
     """Like ``rebase_sequence(quantize_mxfp8(values, offsets, axis="sequence", rounding=rounding))``,
     reading bf16/fp16/fp32 ``values [total, H, D]`` twice (exponents, then data)."""
-    return _rebase_sequence(values, offsets, None, mx_format.check_rounding(rounding))
+    rounding = mx_format.check_rounding(rounding)
+    return _rebase_sequence(values, offsets, None, rounding, _tiles(offsets, values.shape[0]))
+
+
+def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False):
+    """``(*rebase_feature(k, group, exact), *rebase_sequence(v))`` with one tile list for both passes."""
+    work = _tiles(k.offsets, k.total)
+    return (*_rebase_feature(k.data, k.offsets, k, k.rounding, group, exact, work),
+            *_rebase_sequence(v.data, v.offsets, v, v.rounding, work))
+
+
+def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False):
+    """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
+    with one tile list for both passes."""
+    work = _tiles(offsets, k.shape[0])
+    return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work),
+            *_rebase_sequence(v, offsets, None, "rceil", work))
 

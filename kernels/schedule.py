@@ -40,6 +40,32 @@ def visible_columns(tile_start, tile_rows, len_rows, len_cols, causal: bool, row
     return (len_cols - (first_key - (len_rows - len_cols)).clamp(0)).clamp(0)
 
 
+def _row_tiles(offsets_rows: torch.Tensor, total_rows: int, block: int):
+    """(sequence, tile, used) of every slot: slot ``s`` is tile ``tile`` of sequence ``sequence``
+    (in sequence order) where ``used``; the slots past the last tile have ``used`` False."""
+    batch = offsets_rows.numel() - 1
+    tiles_per_seq = (lengths_of(offsets_rows).to(torch.int64) + block - 1) // block
+    tile_end = torch.cumsum(tiles_per_seq, 0)
+    slot = torch.arange(tile_slots(total_rows, batch, block), device=offsets_rows.device, dtype=torch.int64)
+    seq = torch.searchsorted(tile_end, slot, right=True)
+    used = seq < batch
+    seq = seq.clamp(max=batch - 1)
+    return seq, slot - (tile_end[seq] - tiles_per_seq[seq]), used
+
+
+def _table(seq, tile, used) -> torch.Tensor:
+    return torch.stack([torch.where(used, seq, EMPTY_SLOT), torch.where(used, tile, EMPTY_SLOT)], dim=1)
+
+
+def tile_list(offsets_rows: torch.Tensor, total_rows: int, block: int) -> torch.Tensor:
+    """int32 ``[slots, 2]``: (sequence, tile) of every ``block``-row tile in sequence order, unused
+    slots ``(-1, -1)`` at the end: for passes whose tiles all cost the same (no sort)."""
+    if offsets_rows.numel() == 1:
+        return torch.full((tile_slots(total_rows, 0, block), 2), EMPTY_SLOT, dtype=torch.int32,
+                          device=offsets_rows.device)
+    return _table(*_row_tiles(offsets_rows, total_rows, block)).to(torch.int32)
+
+
 def work_list(
     offsets_rows: torch.Tensor,
     offsets_cols: torch.Tensor,
@@ -57,25 +83,14 @@ def work_list(
     order. Tiles that see no column still get a slot (their rows must be written); unused slots
     are ``(-1, -1)`` at the end.
     """
-    device = offsets_rows.device
-    batch = offsets_rows.numel() - 1
-    slots = tile_slots(total_rows, batch, block)
-    len_rows = lengths_of(offsets_rows).to(torch.int64)
-    len_cols = lengths_of(offsets_cols).to(torch.int64)
-    tiles_per_seq = (len_rows + block - 1) // block
-    tile_end = torch.cumsum(tiles_per_seq, 0)
-    slot = torch.arange(slots, device=device, dtype=torch.int64)
-    if batch == 0:
-        return torch.full((slots, 2), EMPTY_SLOT, dtype=torch.int32, device=device)
-    seq = torch.searchsorted(tile_end, slot, right=True)
-    used = seq < batch
-    seq = seq.clamp(max=batch - 1)
-    tile = slot - (tile_end[seq] - tiles_per_seq[seq])
+    if offsets_rows.numel() == 1:
+        return tile_list(offsets_rows, total_rows, block)
+    seq, tile, used = _row_tiles(offsets_rows, total_rows, block)
+    len_rows = lengths_of(offsets_rows).to(torch.int64)[seq]
+    len_cols = lengths_of(offsets_cols).to(torch.int64)[seq]
     tile_start = tile * block
-    tile_rows = (len_rows[seq] - tile_start).clamp(max=block)
-    cost = visible_columns(tile_start, tile_rows, len_rows[seq], len_cols[seq], causal, rows_are_queries)
+    tile_rows = (len_rows - tile_start).clamp(max=block)
+    cost = visible_columns(tile_start, tile_rows, len_rows, len_cols, causal, rows_are_queries)
     cost = torch.where(used, cost, torch.full_like(cost, -1))
     order = torch.argsort(cost, descending=True, stable=True)
-    table = torch.stack([torch.where(used, seq, EMPTY_SLOT), torch.where(used, tile, EMPTY_SLOT)], dim=1)
-    return table[order].to(torch.int32)
-
+    return _table(seq, tile, used)[order].to(torch.int32)
