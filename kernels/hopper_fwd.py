@@ -204,40 +204,11 @@ def _attention_forward_kernel(
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     row_max = tl.full((BLOCK_M,), FINITE_FLOOR, dtype=tl.float32)
-    acc, row_sum, row_max = _attend_tiles(
-        acc,
-        row_sum,
-        row_max,
-        q_tile,
-        row_scale,
-        last_col,
-        k_block,
-        vt_block,
-        k_tile_factor,
-        0,
-        unmasked_end,
-        BLOCK_N,
-        False,
-        SCORES,
-        INTERPRET,
-    )
-    acc, row_sum, row_max = _attend_tiles(
-        acc,
-        row_sum,
-        row_max,
-        q_tile,
-        row_scale,
-        last_col,
-        k_block,
-        vt_block,
-        k_tile_factor,
-        unmasked_end,
-        col_end,
-        BLOCK_N,
-        True,
-        SCORES,
-        INTERPRET,
-    )
+    # KV tiles every row sees fully, without masks; then the diagonal (causal) and ragged-end ones.
+    acc, row_sum, row_max = _attend_tiles(acc, row_sum, row_max, q_tile, row_scale, last_col, k_block, vt_block,
+                                          k_tile_factor, 0, unmasked_end, BLOCK_N, False, SCORES, INTERPRET)
+    acc, row_sum, row_max = _attend_tiles(acc, row_sum, row_max, q_tile, row_scale, last_col, k_block, vt_block,
+                                          k_tile_factor, unmasked_end, col_end, BLOCK_N, True, SCORES, INTERPRET)
 
     channels = tl.arange(0, D)
     v_factor = layout.scale_value(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32))
