@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name
 from .interface import jagged_attention
+from .offsets import validate_offsets
+
+PROJECTION_HEAD_DIMS = (32, 64)  # besides multiples of 128: head dims the quantizing GEMM epilogue tiles
+TMA_FEATURES = 8  # in_features of a quantizing projection: a multiple of 8 (16-byte bf16 rows for TMA)
 
 
 class JaggedAttention(nn.Module):
@@ -15,11 +20,22 @@ class JaggedAttention(nn.Module):
     ``forward(x, offsets, context=None, offsets_kv=None)``: ``x [total_q, dim]`` with ``offsets``;
     for cross-attention ``context [total_kv, kv_dim]`` with ``offsets_kv`` (same batch size).
     Returns ``[total_q, dim]``. Grouped-query attention with ``num_kv_heads < num_heads``.
+
+    ``fused_producers``: build Q and K from the fused producers, whose kernels also write the
+    MXFP8 the attention reads (the Q/K projection GEMMs quantize in their epilogue, or with
+    ``qk_norm`` the RMSNorm kernels do), so the attention does not quantize Q and K again; the
+    backward still runs on their bf16 copies (quantization is straight-through). ``None`` (auto)
+    fuses on CUDA with the Hopper backends (``triton``, ``triton-precise``) when the layer computes
+    in bf16 (bf16 parameters or bf16 autocast) and the shapes fit the producers (head_dim 32, 64 or
+    a multiple of 128 and in-features a multiple of 8 without ``qk_norm``); ``True`` insists (a
+    ``ValueError`` where it cannot), ``False`` keeps ``nn.Linear`` / ``nn.RMSNorm`` and lets the
+    attention quantize.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  kv_dim: int | None = None, causal: bool = False, qk_norm: bool = False, bias: bool = False,
-                 softmax_scale: float | None = None, backend: str = "auto", device=None, dtype=None):
+                 softmax_scale: float | None = None, backend: str = "auto", fused_producers: bool | None = None,
+                 device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = dim // num_heads if head_dim is None else head_dim
@@ -27,9 +43,12 @@ class JaggedAttention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if head_dim % 32:
             raise ValueError(f"head_dim ({head_dim}) must be a multiple of 32 (the MX block size)")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
         self.kv_dim = dim if kv_dim is None else kv_dim
         self.causal, self.qk_norm, self.softmax_scale, self.backend = causal, qk_norm, softmax_scale, backend
+        self.fused_producers = fused_producers
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(self.kv_dim, num_kv_heads * head_dim, bias=bias, **factory)
@@ -44,16 +63,83 @@ class JaggedAttention(nn.Module):
         if (context is None) != (offsets_kv is None):
             raise ValueError("pass context and offsets_kv together (cross-attention) or neither")
         source = x if context is None else context
+        backend = auto_backend_name(x.device) if self.backend == "auto" else self.backend
+        if self._fuses_producers(x, backend):
+            out = self._attend_from_fused_producers(x, offsets, source, offsets_kv, backend)
+        else:
+            out = self._attend(x, offsets, source, offsets_kv)
+        return self.out_proj(out.flatten(-2))
+
+    def _attend(self, x, offsets, source, offsets_kv):
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = jagged_attention(q, k, v, offsets, offsets_kv, causal=self.causal, softmax_scale=self.softmax_scale,
-                               backend=self.backend)
-        return self.out_proj(out.flatten(-2))
+        return jagged_attention(q, k, v, offsets, offsets_kv, causal=self.causal, softmax_scale=self.softmax_scale,
+                                backend=self.backend)
+
+    def _attend_from_fused_producers(self, x, offsets, source, offsets_kv, backend):
+        from .fused_ops import prequantized_attention_op
+
+        offsets_kv = offsets if offsets_kv is None else offsets_kv
+        validate_offsets(offsets, x.shape[0], "offsets")
+        validate_offsets(offsets_kv, source.shape[0], "offsets_kv")
+        if offsets.shape != offsets_kv.shape:
+            raise ValueError(f"offsets and offsets_kv must describe the same batch size, got "
+                             f"{offsets.numel() - 1} and {offsets_kv.numel() - 1}")
+        q, q_data, q_scales = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
+        k, k_data, k_scales = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm", self.num_kv_heads)
+        v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        softmax_scale = self.head_dim**-0.5 if self.softmax_scale is None else self.softmax_scale
+        out, _ = prequantized_attention_op(q, k, v.to(q.dtype), q_data, q_scales, k_data, k_scales, offsets,
+                                           offsets_kv, self.causal, float(softmax_scale), backend, False)
+        return out
+
+    def _quantized_projection(self, x, offsets, projection, norm_name, heads):
+        """(bf16 ``[total, heads, head_dim]``, its MXFP8 data, scales): the projection, normalized
+        if ``qk_norm``, from the producer kernel that also quantizes it."""
+        from .fused_ops import linear_quantize_op, rms_norm_quantize_op
+
+        if not self.qk_norm:
+            bias = projection.bias
+            return linear_quantize_op(x.to(torch.bfloat16), projection.weight.to(torch.bfloat16),
+                                      None if bias is None else bias.to(torch.bfloat16), offsets, heads)
+        y = projection(x).unflatten(-1, (heads, self.head_dim)).to(torch.bfloat16)
+        norm = getattr(self, norm_name)
+        eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # what F.rms_norm uses for None
+        normalized, _, data, scales = rms_norm_quantize_op(y, norm.weight, offsets, eps)
+        return normalized, data, scales
+
+    def _fuses_producers(self, x: torch.Tensor, backend: str) -> bool:
+        if self.fused_producers is False:
+            return False
+        obstacle = self._fusion_obstacle(x, backend)
+        if self.fused_producers is None:
+            return obstacle is None and x.is_cuda and backend in HOPPER_BACKENDS
+        if obstacle is not None:
+            raise ValueError(f"fused_producers=True: {obstacle}")
+        return True
+
+    def _fusion_obstacle(self, x: torch.Tensor, backend: str) -> str | None:
+        """Why the fused producers cannot run here, or None."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.q_proj.weight.dtype
+        if dtype != torch.bfloat16:
+            return f"the producers compute in bfloat16, this layer in {dtype} (use bf16 parameters or autocast)"
+        if not x.is_cuda:
+            from .kernels.interpreter import INTERPRETED
+
+            if not INTERPRETED:
+                return f"the producer kernels need CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}"
+        if not self.qk_norm:
+            if self.head_dim not in PROJECTION_HEAD_DIMS and self.head_dim % 128:
+                return f"the quantizing projection needs head_dim 32, 64 or a multiple of 128, not {self.head_dim}"
+            if self.dim % TMA_FEATURES or self.kv_dim % TMA_FEATURES:
+                return f"the quantizing projection needs in-features that are multiples of {TMA_FEATURES}"
+        return None
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, kv_dim={self.kv_dim}, causal={self.causal}, qk_norm={self.qk_norm}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}, fused_producers={self.fused_producers}")

@@ -111,12 +111,15 @@ def _train(layer, readout, loss_of, batches, lr=3e-3):
 
 
 @pytest.mark.gpu
-def test_gpu_training_tracks_the_bf16_curve():
-    """The running-mean task on CUDA: the layer with the fast kernels against the same bf16 layer
-    whose attention is unquantized (fp32 padded attention), same initial weights, same batches."""
+@pytest.mark.parametrize("fused_producers", [False, True])
+def test_gpu_training_tracks_the_bf16_curve(fused_producers):
+    """The running-mean task on CUDA: the layer with the fast kernels (producers fused or not)
+    against the same bf16 layer whose attention is unquantized (fp32 padded attention), same
+    initial weights, same batches."""
     torch.manual_seed(torch.initial_seed() % 2**31)
     device, dtype = "cuda", torch.bfloat16
-    layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, backend="triton", device=device, dtype=dtype)
+    layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, backend="triton",
+                            fused_producers=fused_producers, device=device, dtype=dtype)
     twin = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, device=device, dtype=dtype)
     twin.load_state_dict(layer.state_dict())
     readout = torch.nn.Linear(64, 1, device=device, dtype=dtype)
@@ -134,7 +137,7 @@ def test_gpu_training_tracks_the_bf16_curve():
 
     curve, twin_curve = _train(layer, readout, ours, batches), _train(twin, twin_readout, bf16, batches)
     tail, twin_tail = sum(curve[-20:]) / 20, sum(twin_curve[-20:]) / 20
-    print(f"[training] first {curve[0]:.3f} / {twin_curve[0]:.3f}, last-20 mean ours {tail:.4f}, bf16 {twin_tail:.4f}")
+    print(f"[training fused_producers={fused_producers}] first {curve[0]:.3f} / {twin_curve[0]:.3f}, last-20 mean ours {tail:.4f}, bf16 {twin_tail:.4f}")
     assert tail < 0.05 * curve[0] and twin_tail < 0.05 * twin_curve[0]
     # On CPU with the reference backend (same quantization) this tail sits at ~1.5x the twin's.
     assert tail < 2 * twin_tail + 0.005 * curve[0]
@@ -178,3 +181,215 @@ def test_distributed_data_parallel_and_meta_init(tmp_path):
             module.reset_parameters()
     deferred.load_state_dict(layer.state_dict())
     torch.testing.assert_close(deferred(x, offsets), layer(x, offsets))
+
+
+# Fused producers: on CPU the producer kernels and the Hopper forward run in the Triton interpreter.
+
+def _bf16_pair(fused_config, **config):
+    """A bf16 layer with ``fused_producers=True`` and the same layer (same weights) with False."""
+    fused = JaggedAttention(96, **config, **fused_config, fused_producers=True, dtype=torch.bfloat16)
+    plain = JaggedAttention(96, **config, **fused_config, fused_producers=False, dtype=torch.bfloat16)
+    plain.load_state_dict(fused.state_dict())
+    return fused, plain
+
+
+def _output_and_grads(layer, x, offsets, **kwargs):
+    out = layer(x, offsets, **kwargs)
+    leaves = [x, *layer.parameters()]
+    return out, torch.autograd.grad(out.float().square().sum(), leaves)
+
+
+def _calls_of(monkeypatch, name):
+    """Count the calls of ``fused_ops.<name>`` (the layer looks it up at each forward)."""
+    from jagged_attn import fused_ops
+
+    calls, op = [], getattr(fused_ops, name)
+    monkeypatch.setattr(fused_ops, name, lambda *args: calls.append(1) or op(*args))
+    return calls
+
+
+@pytest.mark.parametrize("backend, qk_norm, cross", [("reference", False, True), ("reference", True, False),
+                                                     ("triton", False, False), ("triton", True, True)])
+def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cross):
+    """Same bf16 layer, the producers fused or not: the interpreter's GEMM may round y differently
+    from torch's in rare elements, so a few MX values may differ; otherwise every step is the same."""
+    fused, plain = _bf16_pair(dict(backend=backend, qk_norm=qk_norm), num_heads=4, num_kv_heads=2, head_dim=64,
+                              kv_dim=48 if cross else None, causal=not cross, bias=cross)
+    offsets = offsets_from_lengths(torch.tensor([0, 1, 33, 129, 31]))
+    x = torch.randn(int(offsets[-1]), 96, dtype=torch.bfloat16, requires_grad=True)
+    kwargs = {}
+    if cross:
+        offsets_kv = offsets_from_lengths(torch.tensor([5, 0, 40, 32, 127]))
+        kwargs = dict(context=torch.randn(int(offsets_kv[-1]), 48, dtype=torch.bfloat16), offsets_kv=offsets_kv)
+    calls = _calls_of(monkeypatch, "prequantized_attention_op")
+    out, grads = _output_and_grads(fused, x, offsets, **kwargs)
+    assert len(calls) == 1
+    ref, ref_grads = _output_and_grads(plain, x, offsets, **kwargs)
+    assert len(calls) == 1 and out.dtype == torch.bfloat16
+    assert relative_l2(out, ref) < 1e-2
+    names = ["x", *(name for name, _ in fused.named_parameters())]
+    for name, g, g_ref in zip(names, grads, ref_grads):
+        assert g.dtype == g_ref.dtype and relative_l2(g, g_ref) < 2e-2, name
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", "triton-precise"])
+def test_prequantized_attention_equals_quantizing_inside(backend):
+    """Equal MXFP8 operands give bit-identical attention: Q and K quantized beforehand
+    (``quantize_mxfp8``, what the producers emit bit for bit) or inside the attention."""
+    from jagged_attn import fused_ops, ops
+    from jagged_attn.mxfp8 import quantize_mxfp8
+
+    offsets_q = offsets_from_lengths(torch.tensor([1, 0, 33, 70]))
+    offsets_k = offsets_from_lengths(torch.tensor([31, 5, 0, 129]))
+    q = torch.randn(int(offsets_q[-1]), 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(int(offsets_k[-1]), 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    q_mx, k_mx = quantize_mxfp8(q.detach(), offsets_q), quantize_mxfp8(k.detach(), offsets_k)
+    common = (offsets_q, offsets_k, True, 0.1, backend, False)
+    out, lse = fused_ops.prequantized_attention_op(q, k, v, q_mx.data, q_mx.scales, k_mx.data, k_mx.scales, *common)
+    ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence")
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, torch.autograd.grad(ref, (q, k, v), dout)))
+    assert not lse.requires_grad
+
+
+def test_producer_ops_gradients_and_registration():
+    """The producer ops' torch backward against autograd through plain torch, and opcheck
+    (schema, fake implementations, autograd registration)."""
+    from jagged_attn import fused_ops
+
+    offsets = offsets_from_lengths(torch.tensor([3, 0, 40]))
+    x = torch.randn(43, 48, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(2 * 64, 48, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(2 * 64, requires_grad=True)
+    y, _, _ = fused_ops.linear_quantize_op(x, weight, bias, offsets, 2)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    y_ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).unflatten(-1, (2, 64))
+    for g, g_ref in zip(grads, torch.autograd.grad(y_ref, (x, weight, bias), dy.double())):
+        assert relative_l2(g, g_ref) < 1e-2
+
+    h = (torch.randn(43, 2, 64) * 3).requires_grad_(True)
+    gain = (torch.randn(64) * 0.5 + 1).requires_grad_(True)
+    normalized, _, _, _ = fused_ops.rms_norm_quantize_op(h, gain, offsets, 1e-6)
+    ref = torch.nn.functional.rms_norm(h.double(), (64,), gain.double(), 1e-6)
+    assert relative_l2(normalized, ref) < 1e-6
+    dn = torch.randn_like(normalized)
+    for g, g_ref in zip(torch.autograd.grad(normalized, (h, gain), dn),
+                        torch.autograd.grad(ref, (h, gain), dn.double())):
+        assert g.dtype == torch.float32 and relative_l2(g, g_ref) < 1e-5
+
+    tests = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.jagged_attn.linear_quantize.default, (x, weight, bias, offsets, 2),
+                          test_utils=tests)
+    torch.library.opcheck(torch.ops.jagged_attn.rms_norm_quantize.default, (h, gain, offsets, 1e-6),
+                          test_utils=tests)
+
+
+def test_fused_layer_compiles_and_autocasts(monkeypatch):
+    """The compiled fused layer (fake implementations, fullgraph) gives the eager result; fp32
+    parameters under bf16 autocast take the fused path (the producers compute in bf16)."""
+    offsets = offsets_from_lengths(torch.tensor([3, 40]))
+    x = torch.randn(43, 64, requires_grad=True)
+    calls = _calls_of(monkeypatch, "rms_norm_quantize_op")
+    layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, qk_norm=True, backend="reference",
+                            fused_producers=True, dtype=torch.bfloat16)
+    out = layer(x.bfloat16(), offsets)
+    assert len(calls) == 2
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x.bfloat16(), offsets), out)
+
+    layer.float()
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x, offsets)
+    assert len(calls) == 2 and out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.parameters())
+    assert x.grad.dtype == torch.float32
+
+
+def test_fused_producers_auto_and_obstacles(monkeypatch):
+    offsets = offsets_from_lengths(torch.tensor([3, 40]))
+    x = torch.randn(43, 64, dtype=torch.bfloat16)
+    calls = _calls_of(monkeypatch, "prequantized_attention_op")
+    JaggedAttention(64, num_heads=2, head_dim=64, backend="triton", dtype=torch.bfloat16)(x, offsets)
+    assert not calls  # auto fuses on CUDA only
+    assert "fused_producers=None" in repr(JaggedAttention(64, num_heads=2))
+    cases = [(dict(), "bfloat16"), (dict(head_dim=96, dtype=torch.bfloat16), "head_dim"),
+             (dict(dim=60, head_dim=64, dtype=torch.bfloat16), "multiples of 8")]
+    for config, match in cases:
+        layer = JaggedAttention(**{"dim": 64, **config}, num_heads=2, fused_producers=True)
+        with pytest.raises(ValueError, match=match):
+            layer(torch.randn(43, layer.dim, dtype=layer.q_proj.weight.dtype), offsets)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        JaggedAttention(64, num_heads=2, backend="cuda")
+    layer = JaggedAttention(64, num_heads=2, head_dim=64, fused_producers=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets_kv"):
+        layer(x, offsets, context=x[:40], offsets_kv=offsets)
+
+
+GPU_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 700, 1000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, head_dim, qk_norm, cross", [("triton", 128, False, False),
+                                                               ("triton", 64, True, True),
+                                                               ("triton-precise", 128, True, False)])
+def test_gpu_fused_layer_matches_the_plain_path(backend, head_dim, qk_norm, cross):
+    """The fused layer's output and gradients against the same layer unfused and both against the
+    fp64 twin with unquantized attention: the producers' GEMM rounds y in another order than
+    cuBLAS, which moves a few MX values by one step, so the fused layer may differ from the plain
+    one by about the quantization noise but must be as close to fp64 as the plain layer is."""
+    device = "cuda"
+    config = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, kv_dim=256 if cross else None, causal=not cross,
+                  qk_norm=qk_norm, backend=backend, device=device)
+    fused = JaggedAttention(512, **config, fused_producers=True, dtype=torch.bfloat16)
+    plain = JaggedAttention(512, **config, fused_producers=False, dtype=torch.bfloat16)
+    plain.load_state_dict(fused.state_dict())
+    twin = JaggedAttention(512, **config, dtype=torch.float64)
+    twin.load_state_dict({name: p.double() for name, p in fused.state_dict().items()})
+    offsets = offsets_from_lengths(torch.tensor(GPU_LENGTHS)).to(device)
+    x = torch.randn(int(offsets[-1]), 512, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x64 = x.detach().double().requires_grad_(True)
+    kwargs, kwargs64 = {}, {}
+    if cross:
+        offsets_kv = offsets_from_lengths(torch.tensor(GPU_LENGTHS[::-1])).to(device)
+        context = torch.randn(int(offsets_kv[-1]), 256, device=device, dtype=torch.bfloat16)
+        kwargs, kwargs64 = dict(context=context, offsets_kv=offsets_kv), dict(context=context.double(),
+                                                                                offsets_kv=offsets_kv)
+    out, grads = _output_and_grads(fused, x, offsets, **kwargs)
+    ref, ref_grads = _output_and_grads(plain, x, offsets, **kwargs)
+    out64 = _twin_output(twin, x64, offsets, **kwargs64)
+    grads64 = torch.autograd.grad(out64.square().sum(), [x64, *twin.parameters()])
+    names = ["out", "x", *(name for name, _ in fused.named_parameters())]
+    for name, a, b, c in zip(names, (out, *grads), (ref, *ref_grads), (out64, *grads64)):
+        fused_error, plain_error = relative_l2(a, c), relative_l2(b, c)
+        print(f"[fused vs plain] {name}: {relative_l2(a, b):.2e}; vs fp64 fused {fused_error:.2e} plain {plain_error:.2e}")
+        assert fused_error < 1.15 * plain_error + 2e-3, name
+    assert relative_l2(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "triton-precise"])
+def test_gpu_producer_mxfp8_gives_bit_identical_attention(backend):
+    """The attention on the MXFP8 the producers emit equals the attention quantizing their bf16
+    outputs itself, bit for bit (the producers' MXFP8 is ``quantize_mxfp8`` of their bf16 output)."""
+    from jagged_attn import fused_ops, ops
+
+    device = "cuda"
+    offsets_q = offsets_from_lengths(torch.tensor(GPU_LENGTHS)).to(device)
+    offsets_k = offsets_from_lengths(torch.tensor(GPU_LENGTHS[::-1])).to(device)
+    x = torch.randn(int(offsets_q[-1]), 256, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(8 * 128, 256, device=device, dtype=torch.bfloat16) / 16
+    q, q_data, q_scales = fused_ops.linear_quantize_op(x, weight, None, offsets_q, 8)
+    pre_norm = torch.randn(int(offsets_k[-1]), 2, 128, device=device, dtype=torch.bfloat16)
+    gain = torch.rand(128, device=device) + 0.5
+    k, _, k_data, k_scales = fused_ops.rms_norm_quantize_op(pre_norm, gain, offsets_k, 1e-6)
+    v = torch.randn_like(k)
+    common = (offsets_q, offsets_k, True, 128**-0.5, backend, False)
+    out, lse = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, *common)
+    ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence")
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)

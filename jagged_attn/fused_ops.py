@@ -1,0 +1,170 @@
+"""Differentiable torch.library ops for a layer built from the fused MXFP8 producers.
+
+* ``jagged_attn::linear_quantize``: ``y = x @ weight.T (+ bias)`` as bf16 ``[total, H, D]`` plus
+  its feature-axis MXFP8 (data, tiled scales) from the GEMM's epilogue
+  (``kernels/linear_quantize.py``). Differentiable in x, weight, bias through ``y``: the ordinary
+  linear gradients, in torch.
+* ``jagged_attn::rms_norm_quantize``: RMSNorm over D of ``x [total, H, D]`` as (normalized, rstd)
+  plus the normalized values' feature-axis MXFP8, from one read of ``x``
+  (``kernels/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
+  RMSNorm gradients in torch, from the saved rstd.
+* ``jagged_attn::prequantized_attention``: attention whose Q and K arrive quantized (data +
+  tiled scales, e.g. from the two ops above) next to their high-precision copies; V arrives in
+  high precision. The forward uses the MXFP8 Q and K as they are; the backward is
+  ``jagged_attn::attention_backward`` on the high-precision q, k, v (quantization is
+  straight-through, as for ``jagged_attn::attention``).
+
+The MXFP8 outputs are not differentiable: gradients reach the producers through the
+high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAttention``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import _KERNEL_BACKENDS, HOPPER_BACKENDS, get_backend
+from .mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
+from .ops import attention_backward_op
+from .scale_layout import tiled_bytes
+
+
+def _empty_feature_mxfp8(like: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake (data, scales) of a feature-axis MXFP8 quantization of ``like [total, H, D]``."""
+    total, heads, dim = like.shape
+    data = like.new_empty(like.shape, dtype=torch.float8_e4m3fn)
+    scales = like.new_empty(heads, tiled_bytes(*scale_matrix_shape("feature", total, batch, dim)),
+                            dtype=torch.float8_e8m0fnu)
+    return data, scales
+
+
+@torch.library.custom_op("jagged_attn::linear_quantize", mutates_args=())
+def linear_quantize_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales)."""
+    from .kernels.linear_quantize import linear_quantize
+
+    mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias)
+    return y, mx.data, mx.scales
+
+
+@linear_quantize_op.register_fake
+def _(x, weight, bias, offsets, heads):
+    y = x.new_empty(x.shape[0], heads, weight.shape[0] // heads)
+    return (y, *_empty_feature_mxfp8(y, offsets.shape[0] - 1))
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    _, data, scales = output
+    ctx.mark_non_differentiable(data, scales)
+    ctx.save_for_backward(x, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_backward(ctx, dy, ddata, dscales):
+    x, weight = ctx.saved_tensors
+    dy = dy.flatten(-2)
+    dx = dy @ weight if ctx.needs_input_grad[0] else None
+    dweight = dy.T @ x if ctx.needs_input_grad[1] else None
+    dbias = dy.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    return dx, dweight, dbias, None, None
+
+
+linear_quantize_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+@torch.library.custom_op("jagged_attn::rms_norm_quantize", mutates_args=())
+def rms_norm_quantize_op(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [total, H, D]``, ``weight [D]`` -> (normalized like x, rstd fp32 ``[total, H]``, e4m3 data, e8m0 scales)."""
+    from .kernels.rmsnorm_quantize import rms_norm_quantize
+
+    mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps)
+    return normalized, rstd, mx["feature"].data, mx["feature"].scales
+
+
+@rms_norm_quantize_op.register_fake
+def _(x, weight, offsets, eps):
+    rstd = x.new_empty(x.shape[:2], dtype=torch.float32)
+    return (torch.empty_like(x), rstd, *_empty_feature_mxfp8(x, offsets.shape[0] - 1))
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    _, rstd, data, scales = output
+    ctx.mark_non_differentiable(rstd, data, scales)
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _rms_norm_backward(ctx, dnormalized, drstd, ddata, dscales):
+    """With ``x̂ = x * rstd`` and ``g = dy * weight``: ``dx = rstd * (g - x̂ * mean(g * x̂))`` over D,
+    ``dweight = sum(dy * x̂)`` over tokens and heads (fp32 math)."""
+    x, weight, rstd = ctx.saved_tensors
+    normalized_input = x.float() * rstd[..., None]
+    dy = dnormalized.float()
+    g = dy * weight.float()
+    dx = rstd[..., None] * (g - normalized_input * (g * normalized_input).mean(-1, keepdim=True))
+    dweight = (dy * normalized_input).sum((0, 1))
+    return dx.to(x.dtype), dweight.to(weight.dtype), None, None
+
+
+rms_norm_quantize_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+def _forward_prequantized(q: MXFP8Jagged, k: MXFP8Jagged, v: torch.Tensor, causal, softmax_scale, backend):
+    """(out in v's dtype, lse) from MXFP8 q, k and high-precision v. The Hopper kernels quantize V
+    inside their rebasing pass (one read of bf16 V, as ``attention_forward_hp`` does); other backends
+    get V quantized along the sequence axis first."""
+    if backend in HOPPER_BACKENDS:
+        from .kernels import hopper_fwd
+        from .kernels.rebase import quantize_rebase_sequence, rebase_feature
+
+        scores = _KERNEL_BACKENDS[backend][2].get("scores", "fp8")
+        config = hopper_fwd.tile_config(q.head_dim, scores)
+        rebased_k = rebase_feature(k, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
+        rebased_v = quantize_rebase_sequence(v, k.offsets)
+        return hopper_fwd._forward(q.data, q, *rebased_k, *rebased_v, q.offsets, k.offsets, causal=causal,
+                                   softmax_scale=softmax_scale, out_dtype=v.dtype, config=config)
+    v_mx = quantize_mxfp8(v, k.offsets, axis="sequence")
+    return get_backend(backend).forward_mx(q, k, v_mx, causal, softmax_scale, v.dtype)
+
+
+@torch.library.custom_op("jagged_attn::prequantized_attention", mutates_args=())
+def prequantized_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_data: torch.Tensor, q_scales: torch.Tensor,
+    k_data: torch.Tensor, k_scales: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor, causal: bool,
+    softmax_scale: float, backend: str, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """High-precision ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` and the feature-axis MXFP8
+    of q and k (rceil) -> (out like q, lse fp32 ``[total_q, Hq]``). The forward reads q, k only
+    through their MXFP8; ``deterministic`` only matters to the backward."""
+    q_mx = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
+    k_mx = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
+    return _forward_prequantized(q_mx, k_mx, v, causal, softmax_scale, backend)
+
+
+@prequantized_attention_op.register_fake
+def _(q, k, v, q_data, q_scales, k_data, k_scales, offsets_q, offsets_k, causal, softmax_scale, backend,
+      deterministic):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, _, _, _, _, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
+    ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic = causal, softmax_scale, backend, deterministic
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(
+        dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic
+    )
+    return dq, dk, dv, *([None] * 10)
+
+
+prequantized_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
