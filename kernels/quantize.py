@@ -244,13 +244,14 @@ class TileConfig:
 
     ``channels``: channels per program (None: all of D, at least 128, so one program per (slot,
     head)); ``num_warps``: warps per program; ``vector``: consecutive channels each thread loads and
-    stores at once (at most ``WIDEST_VECTOR``).
+    stores at once (at most ``WIDEST_VECTOR``); ``max_registers``: per thread (None: as ptxas likes).
     """
 
     name: str
     channels: int | None
     num_warps: int
     vector: int = WIDEST_VECTOR.value
+    max_registers: int | None = None
 
     def block_d(self, dim: int) -> int:
         return self.channels or max(triton.next_power_of_2(dim), TILE_TOKENS)
@@ -287,8 +288,9 @@ DEFAULT_CONFIGS = {
 }
 
 
-def default_config(axes) -> TileConfig:
-    return DEFAULT_CONFIGS[tuple(axis for axis in AXES if axis in axes)]
+def default_config(axes, defaults=DEFAULT_CONFIGS) -> TileConfig:
+    """The configuration ``defaults`` (a dict like ``DEFAULT_CONFIGS``) gives a set of axes, in any order."""
+    return defaults[tuple(axis for axis in AXES if axis in axes)]
 
 
 def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None, config: TileConfig | None = None):
@@ -335,6 +337,7 @@ def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: s
         CHECK_FINITE=nonfinite is not None,
         INTERPRET=INTERPRETED,
         num_warps=config.num_warps,
+        maxnreg=config.max_registers,
         **options,
     )
 

@@ -22,8 +22,11 @@ fp32 units in the last place (the order of the sum and rsqrt differ), i.e. withi
 last place of ``x``'s dtype.
 
 The work split, the slot table and the MX store path are those of ``kernels/quantize.py``: one
-program per head of one 128-token tile of one sequence, all D channels, so a row's statistics and
-its 32-token sequence-axis blocks are all inside one program.
+program per head of one 128-token tile of one sequence, all D channels (a row's statistic needs
+every channel of its token), laid out by a ``quantize.TileConfig`` whose ``channels`` is None.
+With 4 warps each warp holds one 32-token block of all D channels, so the rstd sum (over the
+lanes of a row) and the sequence-axis block maxima (over lanes and registers) both stay inside
+the warp; with 8 warps a block spans two warps and its maxima pass through shared memory.
 """
 
 from __future__ import annotations
@@ -38,16 +41,31 @@ from jagged_attn.offsets import validate_offsets
 
 from . import fp8, quantize
 from .interpreter import INTERPRETED
-from .quantize import program_tile, store_mxfp8
+from .quantize import TileConfig, program_tile, store_mxfp8
 
-NUM_WARPS = 8
-# Offsets known contiguous in runs of 8 only (program_tile's VECTOR): then the bf16 and e4m3 tiles get
-# the same register layout (8 elements per thread), and the normalized store needs no exchange
-# through shared memory.
-VECTOR_CHANNELS = 8
-# Two 8-warp programs per SM, so that one loads while the other computes. Left free, ptxas (sm_90)
-# takes ~165 registers, which leaves one program per SM; in 128 it spills at most 24 bytes.
-MAX_REGISTERS = 128
+# scripts/bench_rmsnorm_quantize.py times them all on the GPU; every configuration writes the same
+# bytes. All take 8 channels per thread: the bf16 and e4m3 tiles then share one register layout, so
+# the normalized store needs no exchange through shared memory (16 channels: ~20 barriers).
+# "all-8w-v8-r128": 8 warps, at most 128 registers so that two programs share an SM (left free
+# ptxas takes ~165); a sequence-axis block spans 2 warps. "all-4w-v8": one block per warp, 128
+# elements per thread for D = 128 (sm_90 ptxas: ~250 registers, no spills, two programs per SM);
+# "-r168": three programs per SM, at the cost of ~400 bytes of spills per thread.
+CONFIGS = {
+    config.name: config
+    for config in (
+        TileConfig("all-8w-v8-r128", None, 8, 8, max_registers=128),
+        TileConfig("all-4w-v8", None, 4, 8),
+        TileConfig("all-4w-v8-r168", None, 4, 8, max_registers=168),
+    )
+}
+# The configuration for each set of axes (sorted as in AXES). Feature: measured on an H200 (1 GiB
+# bf16, 2026-11-30 00:00 UTC, docs/PERF.md), 87% of the device-copy bandwidth. Sequence and both:
+# the warp-local layout quantize.py measured fastest for those axes, not yet measured here.
+DEFAULT_CONFIGS = {
+    ("feature",): CONFIGS["all-8w-v8-r128"],
+    ("sequence",): CONFIGS["all-4w-v8"],
+    ("feature", "sequence"): CONFIGS["all-4w-v8"],
+}
 
 
 @triton.jit
@@ -86,7 +104,6 @@ def _rms_norm_quantize_kernel(
 
     mean_square = tl.sum(x * x, axis=1) * (1.0 / D)
     row_rstd = tl.math.rsqrt(mean_square + eps)
-    tl.store(rstd + row * HEADS + head, row_rstd, mask=in_slot)
 
     y = fp8.rounded_to(x * row_rstd[:, None] * w[None, :], values.dtype.element_ty, INTERPRET)
     if STORE_NORMALIZED:
@@ -96,18 +113,23 @@ def _rms_norm_quantize_kernel(
         feature_data, feature_scales, sequence_data, sequence_scales, nonfinite, scale_bytes_per_head, n_slots,
         BLOCK_D, BLOCK_ROWS, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
     )
+    # Last: the one value per row leaves the tile's layout through shared memory (two barriers).
+    tl.store(rstd + row * HEADS + head, row_rstd, mask=in_slot)
 
 
 def rms_norm_quantize_into(x, weight, offsets, outputs: dict, normalized, rstd, *, eps: float, rounding: str,
-                           nonfinite=None, num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS):
+                           nonfinite=None, config: TileConfig | None = None):
     """Kernel launch only (no checks): contiguous ``x [total, H, D]``, ``weight [D]``; ``outputs``: axis ->
     (data, scales) from ``quantize.empty_outputs``; ``normalized`` like ``x`` or None; ``rstd``
     fp32 ``[total, H]``; ``nonfinite``: optional fp32 ``[1]`` holding 0, set to NaN/Inf if the
-    normalized values hold any; ``max_registers``: per thread (None: as ptxas likes)."""
+    normalized values hold any; ``config``: a layout with all D channels per program (None: the
+    default for those axes)."""
+    config = config or quantize.default_config(outputs, DEFAULT_CONFIGS)
+    if config.channels is not None:
+        raise ValueError(f"config {config.name!r}: RMSNorm needs all D channels of a token in one program")
     quantize.launch_per_tile(
         _rms_norm_quantize_kernel, (x, weight, normalized, rstd, eps), x, offsets, outputs, rounding, nonfinite,
-        quantize.TileConfig("rms_norm", None, num_warps, VECTOR_CHANNELS), maxnreg=max_registers,
-        STORE_NORMALIZED=normalized is not None,
+        config, STORE_NORMALIZED=normalized is not None,
     )
 
 

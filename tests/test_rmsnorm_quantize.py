@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from jagged_attn.kernels import fp8
+from jagged_attn.kernels import quantize as qk
 from jagged_attn.kernels import rmsnorm_quantize as rq
 from jagged_attn.kernels.interpreter import INTERPRETED
 from test_quantize_kernel import (
@@ -53,12 +54,13 @@ def torch_rms_norm(x, weight):
     return normalized, rstd
 
 
-def run_poisoned(x, weight, offsets, axes, rounding, store_normalized=True):
+def run_poisoned(x, weight, offsets, axes, rounding, store_normalized=True, config=None):
     """The kernel on outputs filled with NaN first: (mx outputs, normalized, rstd)."""
     outputs = poisoned_outputs(x, offsets, axes)
     normalized = torch.full_like(x, float("nan")) if store_normalized else None
     rstd = torch.full(x.shape[:2], float("nan"), device=x.device)
-    rq.rms_norm_quantize_into(x, weight, offsets, outputs, normalized, rstd, eps=EPS, rounding=rounding)
+    rq.rms_norm_quantize_into(x, weight, offsets, outputs, normalized, rstd, eps=EPS, rounding=rounding,
+                              config=config)
     return outputs, normalized, rstd
 
 
@@ -72,8 +74,8 @@ def assert_within_rounding(got, want):
         assert (got != want).float().mean() < ROUNDED_OTHERWISE
 
 
-def check_against_torch(x, weight, offsets, axes, rounding):
-    outputs, normalized, rstd = run_poisoned(x, weight, offsets, axes, rounding)
+def check_against_torch(x, weight, offsets, axes, rounding, config=None):
+    outputs, normalized, rstd = run_poisoned(x, weight, offsets, axes, rounding, config=config)
     expected_normalized, expected_rstd = torch_rms_norm(x, weight)
     assert_within_rounding(normalized, expected_normalized)
     assert_within_rounding(rstd, expected_rstd)
@@ -101,6 +103,24 @@ def test_both_axes_match_reference(rounding, dim, heads):
 def test_one_axis_other_dtypes(axis, dtype):
     x, weight, offsets = random_inputs([129, 0, 33, 1, 64], 2, 96, dtype, offsets_dtype=torch.int32)
     check_against_torch(x, weight, offsets, (axis,), "rceil")
+
+
+@pytest.mark.parametrize("config", rq.CONFIGS.values(), ids=rq.CONFIGS)
+def test_every_config_matches_reference(config):
+    """Each layout places the tokens of its 32-token blocks differently in the tile (BLOCK_ROWS)."""
+    x, weight, offsets = random_inputs(RAGGED, 1, 64, torch.bfloat16)
+    check_against_torch(x, weight, offsets, mxfp8.AXES, "rceil", config)
+
+
+def test_every_set_of_axes_has_a_default_config():
+    for axes in (("feature",), ("sequence",), ("feature", "sequence"), ("sequence", "feature")):
+        assert qk.default_config(axes, rq.DEFAULT_CONFIGS) in rq.CONFIGS.values()
+
+
+def test_configs_that_split_channels_are_refused():
+    x, weight, offsets = random_inputs([40], 1, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="all D channels"):
+        run_poisoned(x, weight, offsets, ("sequence",), "rceil", config=qk.CONFIGS["c64-4w-v8"])
 
 
 def test_public_call_returns_mx_normalized_and_rstd():
@@ -200,10 +220,13 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         rq.rms_norm_quantize(torch.randn(4, 1, 32), torch.ones(32), torch.tensor([0, 4]))
 
 
-def test_compiles_for_sm90():
-    leading = {"values": "*bf16", "weight": "*bf16", "normalized": "*bf16", "rstd": "*fp32", "eps": "fp32"}
+LEADING = {"values": "*bf16", "weight": "*bf16", "normalized": "*bf16", "rstd": "*fp32", "eps": "fp32"}
+
+
+@pytest.mark.parametrize("config", rq.CONFIGS.values(), ids=rq.CONFIGS)
+def test_compiles_for_sm90(config):
     ptx = compile_per_tile_kernel(
-        "jagged_attn.kernels.rmsnorm_quantize", "_rms_norm_quantize_kernel", leading, STORE_NORMALIZED=True
+        "jagged_attn.kernels.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config, STORE_NORMALIZED=True
     )
     assert "rsqrt.approx" in ptx  # rstd as the docstring states
     assert "cvt.rn.bf16" in ptx  # the normalized values rounded to nearest before quantizing
@@ -211,6 +234,19 @@ def test_compiles_for_sm90():
     assert "div.rn.f32" in ptx  # amax / 448 rounded exactly, as torch divides
     # Nothing else flushes subnormals: rsqrt's input is at least eps.
     assert ptx.count(".ftz") == ptx.count("rsqrt.approx.ftz.f32")
+    assert "ld.global.v4" in ptx and "st.global.v2" in ptx  # 8 channels per thread: 16-byte bf16, 8-byte e4m3
+
+
+def test_warp_local_layout_exchanges_only_the_per_row_values():
+    """With one 32-token block per warp (4 warps) the sequence-axis maxima and the rstd sum stay
+    inside warps: the barriers left are the weight's (1), the scale bytes' (2) and rstd's (2)."""
+    config = rq.DEFAULT_CONFIGS[("sequence",)]
+    assert config.num_warps == 4
+    ptx = compile_per_tile_kernel(
+        "jagged_attn.kernels.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config,
+        STORE_NORMALIZED=True, FEATURE=False, CHECK_FINITE=False,
+    )
+    assert ptx.count("bar.sync") == 5
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -222,7 +258,9 @@ def test_compiles_for_sm90():
 def test_gpu_matches_torch(rounding, dim, heads):
     lengths = RAGGED + torch.randint(1, 3000, (40,)).tolist()
     x, weight, offsets = random_inputs(lengths, heads, dim, torch.bfloat16, "cuda", torch.int32)
-    check_against_torch(x, weight, offsets, mxfp8.AXES, rounding)
+    for config in rq.CONFIGS.values():
+        check_against_torch(x, weight, offsets, mxfp8.AXES, rounding, config)
+    check_against_torch(x, weight, offsets, ("sequence",), rounding)  # the default layout of one axis
     mx, normalized, _ = rq.rms_norm_quantize(x, weight, offsets, axes=mxfp8.AXES, rounding=rounding, eps=EPS)
     for axis in mxfp8.AXES:
         dispatched = quantize_mxfp8(normalized, offsets, axis=axis, rounding=rounding)  # the quantize kernel
