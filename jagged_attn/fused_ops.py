@@ -7,7 +7,7 @@
 * ``jagged_attn::rms_norm_quantize``: RMSNorm over D of ``x [total, H, D]`` as (normalized, rstd)
   plus the normalized values' feature-axis MXFP8, from one read of ``x``
   (``kernels/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
-  RMSNorm gradients in torch, from the saved rstd.
+  RMSNorm gradients from the saved rstd (torch's fused RMSNorm backward kernel on CUDA).
 * ``jagged_attn::prequantized_attention``: attention whose Q and K arrive quantized (data +
   tiled scales, e.g. from the two ops above) next to their high-precision copies; V arrives in
   high precision. The forward uses the MXFP8 Q and K as they are; the backward is
@@ -99,15 +99,21 @@ def _rms_norm_setup_context(ctx, inputs, output):
 
 
 def _rms_norm_backward(ctx, dnormalized, drstd, ddata, dscales):
-    """With ``x̂ = x * rstd`` and ``g = dy * weight``: ``dx = rstd * (g - x̂ * mean(g * x̂))`` over D,
-    ``dweight = sum(dy * x̂)`` over tokens and heads (fp32 math)."""
     x, weight, rstd = ctx.saved_tensors
+    if x.is_cuda and weight.dtype == x.dtype:  # torch's fused kernel (CUDA only; one dtype)
+        return (*torch.ops.aten._fused_rms_norm_backward(dnormalized, x, [x.shape[-1]], rstd[..., None], weight,
+                                                          [True, True]), None, None)
+    return (*_rms_norm_gradients(dnormalized, x, weight, rstd), None, None)
+
+
+def _rms_norm_gradients(dy, x, weight, rstd):
+    """With ``x̂ = x * rstd`` and ``g = dy * weight``: ``dx = rstd * (g - x̂ * mean(g * x̂))`` over D,
+    ``dweight = sum(dy * x̂)`` over tokens and heads (fp32 math, results in the inputs' dtypes)."""
     normalized_input = x.float() * rstd[..., None]
-    dy = dnormalized.float()
-    g = dy * weight.float()
+    g = dy.float() * weight.float()
     dx = rstd[..., None] * (g - normalized_input * (g * normalized_input).mean(-1, keepdim=True))
-    dweight = (dy * normalized_input).sum((0, 1))
-    return dx.to(x.dtype), dweight.to(weight.dtype), None, None
+    dweight = (dy.float() * normalized_input).sum((0, 1))
+    return dx.to(x.dtype), dweight.to(weight.dtype)
 
 
 rms_norm_quantize_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)

@@ -254,15 +254,16 @@ def test_prequantized_attention_equals_quantizing_inside(backend):
     assert not lse.requires_grad
 
 
-def test_producer_ops_gradients_and_registration():
-    """The producer ops' torch backward against autograd through plain torch, and opcheck
-    (schema, fake implementations, autograd registration)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_producer_ops_gradients_and_registration(device):
+    """The producer ops' backward against autograd through plain torch, and opcheck (schema, fake
+    implementations, autograd registration)."""
     from jagged_attn import fused_ops
 
-    offsets = offsets_from_lengths(torch.tensor([3, 0, 40]))
-    x = torch.randn(43, 48, dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(2 * 64, 48, dtype=torch.bfloat16, requires_grad=True)
-    bias = torch.randn(2 * 64, requires_grad=True)
+    offsets = offsets_from_lengths(torch.tensor([3, 0, 40])).to(device)
+    x = torch.randn(43, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(2 * 64, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(2 * 64, device=device, requires_grad=True)
     y, _, _ = fused_ops.linear_quantize_op(x, weight, bias, offsets, 2)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
@@ -271,8 +272,8 @@ def test_producer_ops_gradients_and_registration():
     for g, g_ref in zip(grads, torch.autograd.grad(y_ref, (x, weight, bias), dy.double())):
         assert relative_l2(g, g_ref) < 1e-2
 
-    h = (torch.randn(43, 2, 64) * 3).requires_grad_(True)
-    gain = (torch.randn(64) * 0.5 + 1).requires_grad_(True)
+    h = (torch.randn(43, 2, 64, device=device) * 3).requires_grad_(True)
+    gain = (torch.randn(64, device=device) * 0.5 + 1).requires_grad_(True)
     normalized, _, _, _ = fused_ops.rms_norm_quantize_op(h, gain, offsets, 1e-6)
     ref = torch.nn.functional.rms_norm(h.double(), (64,), gain.double(), 1e-6)
     assert relative_l2(normalized, ref) < 1e-6
