@@ -29,9 +29,9 @@ scale is kept constant along the reduction of the GEMM that reads it and applied
   power of two <= 1 when the maximum grows, never overflows, and tiles far below the maximum
   (whose contribution is as far below) are quantized on its grid.
 
-Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, then
-:func:`_quantize_kernel`; for dO the second pass emits both layouts, Delta and the LSE in log2
-units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
+Kernels: a memory-bound producer (:func:`_producer_kernel`: one launch per tensor that reads it
+from HBM once, sequence-axis maxima and quantization included; for dO it emits both layouts,
+Delta and the LSE in log2 units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
 head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
 dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
 and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
@@ -40,14 +40,17 @@ and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from jagged_attn import offsets as jagged_offsets
 from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import max_length, padded_total
+from jagged_attn.scale_layout import TILE_ROWS
 
 from . import fp8
 from .layout import (
@@ -64,8 +67,8 @@ LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
 SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
 SMALLEST_NORMAL = tl.constexpr(2.0**-126)
-PRODUCER_TILE = 128  # tokens per producer program
-PRODUCER_WARPS = 8
+SEQUENCE_SLOT = tl.constexpr(TILE_ROWS)  # tokens per slot of the transposed sequence-axis copies
+INTERPRETER_PRODUCERS = 2  # persistent producer programs in the interpreter (they run one after the other)
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
 # the reference on peaked inputs and was not slower (docs/PERF.md), so it is the GPU default.
@@ -98,13 +101,14 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+               EVICTION: tl.constexpr):
     """fp32 tile ``[TILE, D]`` of the sequence at ``seq_start``, head ``h`` (zeros past its end), its
     natural offsets, its token rows inside the sequence and the in-sequence mask."""
     rows = tile * TILE + tl.arange(0, TILE)
     in_seq = rows < seq_len
     natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy=EVICTION).to(tl.float32)
     return x, natural, rows, in_seq
 
 
@@ -123,75 +127,139 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _sequence_amax_kernel(
-    x_ptr, offsets_ptr, amax_ptr, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-):
-    """Per-(head, sequence, channel) absolute maxima of :func:`_sequence_axis_values` into
-    ``amax`` (int32 bits of the fp32 values, ``[H, B, D]``, zero-initialized): non-negative
-    floats order like their bits."""
-    tile, b = tile_and_sequence(batch)
-    h = tl.program_id(1)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
-    if tile * TILE >= seq_len:
-        return
-    x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-    amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
-    tl.atomic_max(amax_ptr + (h * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
+def _unit_place(unit, tiles, HEADS: tl.constexpr, HEAD_CHUNK: tl.constexpr):
+    """(sequence, head, tile, chunk) of work unit ``unit``. Units run chunk by chunk, a chunk being
+    HEAD_CHUNK consecutive heads of one sequence (sequence-major); inside a chunk, tile by tile with
+    its heads side by side."""
+    chunk_units = HEAD_CHUNK * tiles
+    chunk = unit // chunk_units
+    within = unit % chunk_units
+    chunks_per_sequence = HEADS // HEAD_CHUNK
+    head = chunk % chunks_per_sequence * HEAD_CHUNK + within % HEAD_CHUNK
+    return chunk // chunks_per_sequence, head, within // HEAD_CHUNK, chunk
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr, offsets_ptr,
-    feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
-    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits [H, B, D] -> e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
-    out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
-    total, padded, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
+def _maxima_unit(
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    NORMALIZE_TOKENS: tl.constexpr,
+):
+    """Fold one unit's channel maxima of :func:`_sequence_axis_values` into ``amax`` (int32 bits of
+    the fp32 values, ``[H / GROUP, B, D]``: non-negative floats order like their bits), then count
+    the unit as done in its chunk's ``counts`` entry. Units past the sequence's tokens do nothing."""
+    if unit < units:
+        b, h, tile, chunk = _unit_place(unit, tiles, HEADS, HEAD_CHUNK)
+        seq_start, seq_len = sequence_span(offsets_ptr, b)
+        if tile * TILE < seq_len:
+            # evict_last: the quantizing visit of this tile reads it again from L2 (see _producer_kernel)
+            x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE, "evict_last")
+            amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
+            channels = tl.arange(0, HEAD_DIM)
+            tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + channels, amax_bits, sem="relaxed")
+            tl.debug_barrier()  # every thread's maxima are in before the count says so
+            tl.atomic_add(counts_ptr + chunk, 1, sem="release")
+
+
+@triton.jit
+def _quantize_unit(
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch,
+    feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
+    """Write the outputs of one unit (see :func:`_producer_kernel`); units of a sequence's last
+    slot past its tokens write the zeros of the sequence-axis copy only."""
+    if (unit >= 0) & (unit < units):
+        b, h, tile, chunk = _unit_place(unit, tiles, HEADS, HEAD_CHUNK)
+        seq_start, seq_len = sequence_span(offsets_ptr, b)
+        if tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT:
+            x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE,
+                                                  "evict_first")
+            tokens = seq_start + rows
+            channels = tl.arange(0, HEAD_DIM)
+            if DELTA:
+                o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first")
+                tl.store(delta_ptr + h * total + tokens, tl.sum(x * o.to(tl.float32), axis=1), mask=in_seq)
+                lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+            if FEATURE:
+                byte = _token_scale_byte(x)
+                data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
+                tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
+                tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+            if SEQUENCE:
+                # Wait until every unit of the chunk has folded in its maxima (see _producer_kernel).
+                while tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") < HEAD_CHUNK * tl.cdiv(seq_len, TILE):
+                    pass
+                group = h // GROUP
+                amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
+                byte = scale_byte_of_amax(amax.to(tl.float32, bitcast=True), False)
+                values = _sequence_axis_values(x, NORMALIZE_TOKENS)
+                data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
+                padded_rows = padded_seq_start(seq_start, b) + rows
+                transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
+                tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
+                tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
 
-    FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
-    each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed; with NORMALIZE_TOKENS each token is first divided by its own head_dim
-    scale (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
-    ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key).
+
+@triton.jit
+def _producer_kernel(
+    x_ptr, offsets_ptr,
+    workspace_ptr,  # int32, zeroed: [ticket, counts [B * H / HEAD_CHUNK], amax bits [H / GROUP, B, D]]
+    feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
+    sequence_ptr, sequence_scale_ptr,  # e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
+    out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
+    total, padded, batch, tiles,  # tiles: units per (sequence, head), covering the longest sequence's slots
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Quantize ``x [total, H, D]`` for the backward kernels in one kernel: each unit (TILE tokens
+    of a sequence, one head) is read from HBM once and writes the requested outputs.
+
+    FEATURE: per-token scale along head_dim. SEQUENCE: one scale per (sequence, channel), shared
+    by each GROUP of consecutive heads; data stored transposed, whole 128-token slots; with
+    NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels fold that
+    scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where
+    LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key).
+
+    The sequence-axis scale needs the maxima of a whole sequence before any of it is quantized,
+    so with SEQUENCE every unit is visited twice: once to fold its channel maxima in
+    (:func:`_maxima_unit`), once, ``lag`` units later, to quantize (:func:`_quantize_unit`), which
+    waits until its chunk's maxima are complete. The lag covers a chunk plus the units in flight,
+    so the second visit usually finds the maxima complete and the tile still in L2. Persistent
+    programs take visits in ticket order (a counter in the workspace), maxima and quantizing visits
+    alternating: a quantizing visit only waits on maxima visits of smaller tickets, which programs
+    already running hold and finish without waiting, so the grid never deadlocks, however many
+    programs are resident (the interpreter runs them one after the other).
     """
-    tile, b = tile_and_sequence(batch)
-    h = tl.program_id(1)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
-    if tile * TILE >= seq_len:
-        return
-    x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-    tokens = seq_start + rows
-    channels = tl.arange(0, HEAD_DIM)
-    if FEATURE:
-        byte = _token_scale_byte(x)
-        data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
-        tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
-        tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-    if SEQUENCE:
-        group = h // GROUP
-        amax_bits = tl.zeros([HEAD_DIM], dtype=tl.int32)
-        for j in tl.static_range(GROUP):
-            head_amax = tl.load(amax_ptr + ((group * GROUP + j) * batch + b) * HEAD_DIM + channels)
-            amax_bits = tl.maximum(amax_bits, head_amax)
-        byte = scale_byte_of_amax(amax_bits.to(tl.float32, bitcast=True), False)
-        values = _sequence_axis_values(x, NORMALIZE_TOKENS)
-        data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
-        padded_rows = padded_seq_start(seq_start, b) + rows
-        transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
-        tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
-        tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
-    if DELTA:
-        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-        tl.store(delta_ptr + h * total + tokens, tl.sum(x * o, axis=1), mask=in_seq)
-        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+    chunk_units = HEAD_CHUNK * tiles
+    units = batch * (HEADS // HEAD_CHUNK) * chunk_units
+    counts_ptr = workspace_ptr + 1
+    amax_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
+    lag = chunk_units + tl.num_programs(0)
+    tickets = 2 * (units + lag) if SEQUENCE else units
+    ticket = tl.atomic_add(workspace_ptr, 1, sem="relaxed")
+    while ticket < tickets:
+        next_ticket = tl.atomic_add(workspace_ptr, 1, sem="relaxed")  # in flight while this visit runs
+        quantizing = True
+        unit = ticket
+        if SEQUENCE:
+            quantizing = ticket % 2 == 1
+            unit = ticket // 2 - (ticket % 2) * lag
+        if quantizing:
+            _quantize_unit(
+                x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch,
+                feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
+                HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS, FEATURE, SEQUENCE, DELTA, INTERPRET,
+            )
+        else:
+            _maxima_unit(x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch,
+                         HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS)
+        ticket = next_ticket
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -300,7 +368,7 @@ def _dkdv_kernel(
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
-    Layouts as written by :func:`_quantize_kernel`: natural e4m3 ``[total, H, D]`` with fp32
+    Layouts as written by :func:`_producer_kernel`: natural e4m3 ``[total, H, D]`` with fp32
     per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
     ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
@@ -461,8 +529,35 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None):
-    """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
+@dataclass(frozen=True)
+class ProducerConfig:
+    """How :func:`_producer_kernel` splits its work; every choice writes the same bytes.
+
+    ``tile``: tokens per unit (a divisor of the 128-token slot); ``num_warps``: warps per program;
+    ``groups_side_by_side``: scale groups (GQA groups of heads) whose units interleave tile by tile
+    (reads of neighbouring heads' rows together, against a longer lag between the two visits of a
+    unit); ``programs_per_sm``: persistent programs per SM on the GPU.
+    """
+
+    tile: int = 64
+    num_warps: int = 8
+    groups_side_by_side: int = 1
+    programs_per_sm: int = 4
+
+    def head_chunk(self, heads: int, group: int) -> int:
+        """Heads side by side: a whole number of scale groups that divides ``heads``."""
+        return group * math.gcd(self.groups_side_by_side, heads // group)
+
+    def programs(self, device: torch.device) -> int:
+        if fp8.INTERPRETED:
+            return INTERPRETER_PRODUCERS
+        return self.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
+              config=ProducerConfig()):
+    """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels (one launch of
+    :func:`_producer_kernel`, after zeroing its small workspace).
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
     dividing each token by its head_dim scale with ``normalize_tokens``). With ``out`` and
@@ -479,29 +574,38 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     lse2 = torch.empty(heads, total, **f32) if with_delta else None
     if feature:
         result.feature, result.feature_scale = torch.empty(x.shape, **e4m3), torch.empty(heads, total, **f32)
+    head_chunk = config.head_chunk(heads, group)
+    # One zeroed int32 buffer: the ticket, the chunks' done counts, the maxima, then (as fp32) the
+    # sequence-axis scales (zero for empty sequences, which no unit writes).
+    maxima = (heads // group) * batch * dim if sequence else 0
+    workspace = torch.zeros(1 + batch * heads // head_chunk + 2 * maxima, dtype=torch.int32, device=x.device)
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, **e4m3)
-        result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
+        result.sequence_scale = workspace[-maxima:].view(torch.float32).view(heads // group, batch, dim)
     if max_len == 0:
         return result, delta, lse2
-    grid = (triton.cdiv(max_len, PRODUCER_TILE) * batch, heads)
-    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
-                 num_warps=PRODUCER_WARPS)
-    amax = torch.zeros(heads, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
-    if sequence:
-        _sequence_amax_kernel[grid](x, offsets, amax, batch, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    _quantize_kernel[grid](
-        x, offsets,
+    _producer_kernel[(config.programs(x.device),)](
+        x, offsets, workspace,
         result.feature if feature else unused, result.feature_scale if feature else unused,
-        amax if sequence else unused, result.sequence if sequence else unused,
-        result.sequence_scale if sequence else unused,
+        result.sequence if sequence else unused, result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused,
         delta if with_delta else unused, lse2 if with_delta else unused,
-        total, padded, batch, GROUP=group,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, INTERPRET=fp8.INTERPRETED, **shape,
+        total, padded, batch, triton.cdiv(max_len, TILE_ROWS) * (TILE_ROWS // config.tile),
+        HEADS=heads, HEAD_DIM=dim, TILE=config.tile, HEAD_CHUNK=head_chunk, GROUP=group,
+        NORMALIZE_TOKENS=normalize_tokens, FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta,
+        INTERPRET=fp8.INTERPRETED, num_warps=config.num_warps,
     )
     return result, delta, lse2
+
+
+def _written_columns(offsets: torch.Tensor) -> torch.Tensor:
+    """int64 padded columns of the transposed sequence-axis copies that :func:`_quantize` writes:
+    each sequence's whole 128-token slots (the rest of the buffer is never written or read)."""
+    starts, lengths = offsets[:-1].tolist(), offsets.diff().tolist()
+    columns = [torch.arange(TILE_ROWS * triton.cdiv(length, TILE_ROWS)) + jagged_offsets.padded_seq_start(start, b)
+               for b, (start, length) in enumerate(zip(starts, lengths))]
+    return torch.cat(columns).to(offsets.device) if columns else torch.zeros(0, dtype=torch.int64)
 
 
 # The dQ kernel's own tile shape on the GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
