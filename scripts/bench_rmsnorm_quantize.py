@@ -7,7 +7,7 @@ kernel launch (``rms_norm_quantize_into``: slot table + kernel, outputs allocate
 reports GB/s of the bytes it moves (x and weight read; normalized, rstd, e4m3 data and scales
 written), against ``torch.empty_like(buf).copy_(buf)`` of a uint8 buffer moving the same bytes (half
 read, half written). Every configuration's outputs are checked: MXFP8 equal to the quantize kernel's
-of the normalized output, normalized and rstd equal to the default configuration's. Also timed, for
+of the normalized output, normalized and rstd those of the default configuration (within rounding). Also timed, for
 scale: the unfused path (torch RMSNorm in fp32, cast, then the quantize kernel) and the public call
 of the default configuration (checks, allocation and its NaN check included). Median of
 ``triton.testing.do_bench``.
@@ -35,6 +35,7 @@ MAX_LENGTH = 4096
 EPS = 1e-6
 AXES_SETS = (("feature",), ("sequence",), AXES)
 TARGET = 0.80  # of the copy's GB/s (issue #6)
+FP32_SUM_TOLERANCE = 8 * torch.finfo(torch.float32).eps
 
 
 def ragged_offsets(tokens: int, device) -> torch.Tensor:
@@ -114,9 +115,11 @@ def main():
 
 def _check(offsets, outputs, normalized, rstd, expected, what):
     """The timed outputs are right (guards the numbers): MXFP8 equal to the quantize kernel's of the
-    normalized output, normalized and rstd equal to the default configuration's."""
-    if not (torch.equal(normalized, expected[0]) and torch.equal(rstd, expected[1])):
-        raise AssertionError(f"{what}: normalized or rstd differ from the default configuration's")
+    normalized output; normalized and rstd those of the default configuration, up to the order of the
+    sum of squares (a few fp32 units in the last place, so at most one of bf16)."""
+    torch.testing.assert_close(rstd, expected[1], rtol=FP32_SUM_TOLERANCE, atol=0, msg=f"{what}: rstd")
+    torch.testing.assert_close(normalized.float(), expected[0].float(), rtol=torch.finfo(normalized.dtype).eps, atol=0,
+                               msg=f"{what}: normalized")
     for axis, (data, scales) in outputs.items():
         (expected_data, expected_scales), = qk.quantize_mxfp8_kernel(normalized, offsets, axes=(axis,))
         if not (torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
