@@ -20,6 +20,8 @@ high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAtte
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .backends import _KERNEL_BACKENDS, HOPPER_BACKENDS, get_backend
@@ -37,9 +39,11 @@ def _empty_feature_mxfp8(like: torch.Tensor, batch: int) -> tuple[torch.Tensor, 
     return data, scales
 
 
+# The optional bias is annotated ``Optional[...]``: the form every torch's schema inference reads.
 @torch.library.custom_op("jagged_attn::linear_quantize", mutates_args=())
 def linear_quantize_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor, heads: int
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], offsets: torch.Tensor,  # noqa: UP045
+    heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales)."""
     from .kernels.linear_quantize import linear_quantize
@@ -119,22 +123,22 @@ def _rms_norm_gradients(dy, x, weight, rstd):
 rms_norm_quantize_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 
-def _forward_prequantized(q: MXFP8Jagged, k: MXFP8Jagged, v: torch.Tensor, causal, softmax_scale, backend):
-    """(out in v's dtype, lse) from MXFP8 q, k and high-precision v. The Hopper kernels quantize V
-    inside their rebasing pass (one read of bf16 V, as ``attention_forward_hp`` does); other backends
-    get V quantized along the sequence axis first."""
+def _forward_prequantized(q: MXFP8Jagged, k: MXFP8Jagged, v: torch.Tensor, causal, softmax_scale, backend, out_dtype):
+    """(out, lse) from MXFP8 q, k and high-precision v. The Hopper kernels quantize V straight from
+    bf16 in their sequence-axis rebasing passes, as ``attention_forward_hp`` does: the same bytes
+    as a sequence-axis quantize kernel followed by the rebasing of its output, with one launch and
+    one buffer fewer. Other backends take V quantized along the sequence axis."""
     if backend in HOPPER_BACKENDS:
         from .kernels import hopper_fwd
         from .kernels.rebase import quantize_rebase_sequence, rebase_feature
 
-        scores = _KERNEL_BACKENDS[backend][2].get("scores", "fp8")
-        config = hopper_fwd.tile_config(q.head_dim, scores)
+        config = hopper_fwd.tile_config(q.head_dim, _KERNEL_BACKENDS[backend][2].get("scores", "fp8"))
         rebased_k = rebase_feature(k, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
         rebased_v = quantize_rebase_sequence(v, k.offsets)
         return hopper_fwd._forward(q.data, q, *rebased_k, *rebased_v, q.offsets, k.offsets, causal=causal,
-                                   softmax_scale=softmax_scale, out_dtype=v.dtype, config=config)
+                                   softmax_scale=softmax_scale, out_dtype=out_dtype, config=config)
     v_mx = quantize_mxfp8(v, k.offsets, axis="sequence")
-    return get_backend(backend).forward_mx(q, k, v_mx, causal, softmax_scale, v.dtype)
+    return get_backend(backend).forward_mx(q, k, v_mx, causal, softmax_scale, out_dtype)
 
 
 @torch.library.custom_op("jagged_attn::prequantized_attention", mutates_args=())
@@ -148,7 +152,7 @@ def prequantized_attention_op(
     through their MXFP8; ``deterministic`` only matters to the backward."""
     q_mx = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
     k_mx = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
-    return _forward_prequantized(q_mx, k_mx, v, causal, softmax_scale, backend)
+    return _forward_prequantized(q_mx, k_mx, v, causal, softmax_scale, backend, q.dtype)
 
 
 @prequantized_attention_op.register_fake

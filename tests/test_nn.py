@@ -137,7 +137,8 @@ def test_gpu_training_tracks_the_bf16_curve(fused_producers):
 
     curve, twin_curve = _train(layer, readout, ours, batches), _train(twin, twin_readout, bf16, batches)
     tail, twin_tail = sum(curve[-20:]) / 20, sum(twin_curve[-20:]) / 20
-    print(f"[training fused_producers={fused_producers}] first {curve[0]:.3f} / {twin_curve[0]:.3f}, last-20 mean ours {tail:.4f}, bf16 {twin_tail:.4f}")
+    print(f"[training fused_producers={fused_producers}] first {curve[0]:.3f} / {twin_curve[0]:.3f}, "
+          f"last-20 mean ours {tail:.4f}, bf16 {twin_tail:.4f}")
     assert tail < 0.05 * curve[0] and twin_tail < 0.05 * twin_curve[0]
     # On CPU with the reference backend (same quantization) this tail sits at ~1.5x the twin's.
     assert tail < 2 * twin_tail + 0.005 * curve[0]
@@ -368,7 +369,8 @@ def test_gpu_fused_layer_matches_the_plain_path(backend, head_dim, qk_norm, cros
     names = ["out", "x", *(name for name, _ in fused.named_parameters())]
     for name, a, b, c in zip(names, (out, *grads), (ref, *ref_grads), (out64, *grads64)):
         fused_error, plain_error = relative_l2(a, c), relative_l2(b, c)
-        print(f"[fused vs plain] {name}: {relative_l2(a, b):.2e}; vs fp64 fused {fused_error:.2e} plain {plain_error:.2e}")
+        print(f"[fused vs plain] {name}: {relative_l2(a, b):.2e}; vs fp64: fused {fused_error:.2e}, "
+              f"plain {plain_error:.2e}")
         assert fused_error < 1.15 * plain_error + 2e-3, name
     assert relative_l2(out, ref) < 2e-2
 
