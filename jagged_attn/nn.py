@@ -9,9 +9,6 @@ from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name
 from .interface import jagged_attention
 from .offsets import validate_offsets
 
-PROJECTION_HEAD_DIMS = (32, 64)  # besides multiples of 128: head dims the quantizing GEMM epilogue tiles
-TMA_FEATURES = 8  # in_features of a quantizing projection: a multiple of 8 (16-byte bf16 rows for TMA)
-
 
 class JaggedAttention(nn.Module):
     """Self- or cross-attention on jagged batches: projections, optional QK RMSNorm, MXFP8
@@ -112,16 +109,15 @@ class JaggedAttention(nn.Module):
         return normalized, data, scales
 
     def _fuses_producers(self, x: torch.Tensor, backend: str) -> bool:
-        if self.fused_producers is False:
-            return False
-        obstacle = self._fusion_obstacle(x, backend)
         if self.fused_producers is None:
-            return obstacle is None and x.is_cuda and backend in HOPPER_BACKENDS
-        if obstacle is not None:
-            raise ValueError(f"fused_producers=True: {obstacle}")
-        return True
+            return x.is_cuda and backend in HOPPER_BACKENDS and self._fusion_obstacle(x) is None
+        if self.fused_producers:
+            obstacle = self._fusion_obstacle(x)
+            if obstacle is not None:
+                raise ValueError(f"fused_producers=True: {obstacle}")
+        return self.fused_producers
 
-    def _fusion_obstacle(self, x: torch.Tensor, backend: str) -> str | None:
+    def _fusion_obstacle(self, x: torch.Tensor) -> str | None:
         """Why the fused producers cannot run here, or None."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.q_proj.weight.dtype
@@ -132,11 +128,15 @@ class JaggedAttention(nn.Module):
 
             if not INTERPRETED:
                 return f"the producer kernels need CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}"
-        if not self.qk_norm:
-            if self.head_dim not in PROJECTION_HEAD_DIMS and self.head_dim % 128:
-                return f"the quantizing projection needs head_dim 32, 64 or a multiple of 128, not {self.head_dim}"
-            if self.dim % TMA_FEATURES or self.kv_dim % TMA_FEATURES:
-                return f"the quantizing projection needs in-features that are multiples of {TMA_FEATURES}"
+        if not self.qk_norm:  # the quantizing GEMM's own shape rules
+            from .kernels import linear_quantize
+
+            try:
+                linear_quantize._check_head_dim(self.num_heads * self.head_dim, self.num_heads)
+            except ValueError as error:
+                return str(error)
+            if (self.dim * 2) % linear_quantize.TMA_ALIGNMENT or (self.kv_dim * 2) % linear_quantize.TMA_ALIGNMENT:
+                return "the quantizing projection needs in-features that are multiples of 8 (16-byte bf16 rows)"
         return None
 
     def extra_repr(self) -> str:

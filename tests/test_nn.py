@@ -320,7 +320,7 @@ def test_fused_producers_auto_and_obstacles(monkeypatch):
     JaggedAttention(64, num_heads=2, head_dim=64, backend="triton", dtype=torch.bfloat16)(x, offsets)
     assert not calls  # auto fuses on CUDA only
     assert "fused_producers=None" in repr(JaggedAttention(64, num_heads=2))
-    cases = [(dict(), "bfloat16"), (dict(head_dim=96, dtype=torch.bfloat16), "head_dim"),
+    cases = [(dict(), "bfloat16"), (dict(head_dim=96, dtype=torch.bfloat16), "head dim"),
              (dict(dim=60, head_dim=64, dtype=torch.bfloat16), "multiples of 8")]
     for config, match in cases:
         layer = JaggedAttention(**{"dim": 64, **config}, num_heads=2, fused_producers=True)
