@@ -88,5 +88,6 @@ def main():
         print(f"{r['causal']!s:>7} {r['qk_norm']!s:>8} {r['tokens']:>7} {r['fused_ms']:>7.2f} {r['unfused_ms']:>8.2f} "
               f"{r['varlen_bf16_ms']:>12.2f} {r['fused_speedup']:>13.2f}x {r['fused_vs_bf16']:>10.2f}x")
 
+
 if __name__ == "__main__":
     main()
