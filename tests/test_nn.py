@@ -157,14 +157,18 @@ def test_autocast_bf16_matches_fp32():
     assert relative_l2(out, ref) < 5e-2 and cosine(out, ref) > 0.998
 
 
-def test_distributed_data_parallel_and_meta_init(tmp_path):
+@pytest.mark.parametrize("fused_producers", [None, True])
+def test_distributed_data_parallel_and_meta_init(tmp_path, fused_producers):
     """DDP (gloo, one process) gives the plain layer's gradients; a meta-device layer materializes
-    with ``to_empty`` + ``reset_parameters`` as FSDP-style deferred init does."""
+    with ``to_empty`` + ``reset_parameters`` as FSDP-style deferred init does. The fused producers
+    (bf16) through the same."""
     import torch.distributed as dist
 
-    layer = JaggedAttention(64, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True)
+    config = dict(num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, fused_producers=fused_producers)
+    dtype = torch.bfloat16 if fused_producers else torch.float32
+    layer = JaggedAttention(64, **config, dtype=dtype)
     offsets = offsets_from_lengths(torch.tensor([3, 33, 0, 20]))
-    x = torch.randn(56, 64)
+    x = torch.randn(56, 64, dtype=dtype)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(layer)
@@ -175,7 +179,7 @@ def test_distributed_data_parallel_and_meta_init(tmp_path):
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, layer.parameters()))
     finally:
         dist.destroy_process_group()
-    deferred = JaggedAttention(64, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, device="meta")
+    deferred = JaggedAttention(64, **config, device="meta", dtype=dtype)
     deferred.to_empty(device="cpu")
     for module in deferred.modules():
         if module is not deferred and hasattr(module, "reset_parameters"):
