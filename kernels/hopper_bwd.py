@@ -101,15 +101,12 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
-               EVICTION: tl.constexpr):
-    """fp32 tile ``[TILE, D]`` of the sequence at ``seq_start``, head ``h`` (zeros past its end), its
-    natural offsets, its token rows inside the sequence and the in-sequence mask."""
+def _tile_rows(seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    """Token rows (inside the sequence at ``seq_start``) of ``tile``, natural offsets ``[TILE, D]``
+    of head ``h`` there, and the in-sequence mask."""
     rows = tile * TILE + tl.arange(0, TILE)
-    in_seq = rows < seq_len
     natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy=EVICTION).to(tl.float32)
-    return x, natural, rows, in_seq
+    return rows, natural, rows < seq_len
 
 
 @triton.jit
@@ -140,69 +137,107 @@ def _unit_place(unit, tiles, HEADS: tl.constexpr, HEAD_CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _count_done(counts_ptr, chunk):
+    """Count a maxima visit of ``chunk`` as done (none for -1): after all its threads' atomics
+    (the barrier), which the release orders before the count."""
+    if chunk >= 0:
+        tl.debug_barrier()
+        tl.atomic_add(counts_ptr + chunk, 1, sem="release")
+
+
+@triton.jit
 def _maxima_unit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch,
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch, pending,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr,
 ):
     """Fold one unit's channel maxima of :func:`_sequence_axis_values` into ``amax`` (int32 bits of
-    the fp32 values, ``[H / GROUP, B, D]``: non-negative floats order like their bits), then count
-    the unit as done in its chunk's ``counts`` entry. Units past the sequence's tokens do nothing."""
-    if unit < units:
-        b, h, tile, chunk = _unit_place(unit, tiles, HEADS, HEAD_CHUNK)
-        seq_start, seq_len = sequence_span(offsets_ptr, b)
-        if tile * TILE < seq_len:
-            # evict_last: the quantizing visit of this tile reads it again from L2 (see _producer_kernel)
-            x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE, "evict_last")
-            amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
-            channels = tl.arange(0, HEAD_DIM)
-            tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + channels, amax_bits, sem="relaxed")
-            tl.debug_barrier()  # every thread's maxima are in before the count says so
-            tl.atomic_add(counts_ptr + chunk, 1, sem="release")
+    the fp32 values, ``[H / GROUP, B, D]``: non-negative floats order like their bits). Returns the
+    unit's chunk, for the program to count as done later (-1 past the sequence's tokens: nothing
+    to count); counts the ``pending`` chunk of the program's previous visit once this unit's tile
+    is on its way (so the wait for that visit's atomics overlaps this load)."""
+    b, h, tile, chunk = _unit_place(tl.minimum(unit, units - 1), tiles, HEADS, HEAD_CHUNK)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    done = -1
+    if (unit < units) & (tile * TILE < seq_len):
+        # evict_last: the quantizing visit of this tile reads it again from L2 (see _producer_kernel)
+        _, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
+        x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_last").to(tl.float32)
+        _count_done(counts_ptr, pending)
+        amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
+        channels = tl.arange(0, HEAD_DIM)
+        tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + channels, amax_bits, sem="relaxed")
+        done = chunk
+    else:
+        _count_done(counts_ptr, pending)
+    return done
 
 
 @triton.jit
 def _quantize_unit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch,
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch, pending,
     feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Write the outputs of one unit (see :func:`_producer_kernel`); units of a sequence's last
-    slot past its tokens write the zeros of the sequence-axis copy only."""
-    if (unit >= 0) & (unit < units):
-        b, h, tile, chunk = _unit_place(unit, tiles, HEADS, HEAD_CHUNK)
-        seq_start, seq_len = sequence_span(offsets_ptr, b)
-        if tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT:
-            x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE,
-                                                  "evict_first")
-            tokens = seq_start + rows
-            channels = tl.arange(0, HEAD_DIM)
-            if DELTA:
-                o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first")
-                tl.store(delta_ptr + h * total + tokens, tl.sum(x * o.to(tl.float32), axis=1), mask=in_seq)
-                lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-            if FEATURE:
-                byte = _token_scale_byte(x)
-                data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
-                tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
-                tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-            if SEQUENCE:
-                # Wait until every unit of the chunk has folded in its maxima (see _producer_kernel).
-                while tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") < HEAD_CHUNK * tl.cdiv(seq_len, TILE):
-                    pass
-                group = h // GROUP
-                amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
-                byte = scale_byte_of_amax(amax.to(tl.float32, bitcast=True), False)
-                values = _sequence_axis_values(x, NORMALIZE_TOKENS)
-                data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
-                padded_rows = padded_seq_start(seq_start, b) + rows
-                transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
-                tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
-                tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
+    slot past its tokens write the zeros of the sequence-axis copy only. Counts the ``pending``
+    chunk as :func:`_maxima_unit` does, before waiting on any count."""
+    b, h, tile, chunk = _unit_place(tl.minimum(tl.maximum(unit, 0), units - 1), tiles, HEADS, HEAD_CHUNK)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    if (unit >= 0) & (unit < units) & (tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT):
+        # O before x: Triton transposes x through shared memory (for the sequence-axis copy) as soon
+        # as it arrives, which holds back the loads issued after it.
+        rows, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
+        tokens = seq_start + rows
+        channels = tl.arange(0, HEAD_DIM)
+        if DELTA:
+            o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first")
+            lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+        x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
+        _count_done(counts_ptr, pending)
+        if DELTA:
+            tl.store(delta_ptr + h * total + tokens, tl.sum(x * o.to(tl.float32), axis=1), mask=in_seq)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+        if SEQUENCE:
+            # Wait until every unit of the chunk has folded in its maxima (see _producer_kernel).
+            while tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") < HEAD_CHUNK * tl.cdiv(seq_len, TILE):
+                pass
+            group = h // GROUP
+            amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
+        if FEATURE:
+            byte = _token_scale_byte(x)
+            data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
+            tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
+            tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+        if SEQUENCE:
+            byte = scale_byte_of_amax(amax.to(tl.float32, bitcast=True), False)
+            values = _sequence_axis_values(x, NORMALIZE_TOKENS)
+            data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
+            padded_rows = padded_seq_start(seq_start, b) + rows
+            transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
+            tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
+            tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
+    else:
+        _count_done(counts_ptr, pending)
+
+
+@triton.jit
+def _claim_ticket(counter_ptr, THREADS: tl.constexpr):
+    """Take the next ticket from ``counter`` without waiting for it: the first element of a vector
+    with one element per thread (THREADS = the program's threads) takes it, and only
+    :func:`_claimed_ticket` reads it, so the atomic's latency overlaps the work in between (a
+    scalar atomic would be broadcast to the threads at once)."""
+    first = tl.arange(0, THREADS) == 0
+    return tl.atomic_add(counter_ptr + tl.zeros([THREADS], dtype=tl.int32), 1, mask=first, sem="relaxed")
+
+
+@triton.jit
+def _claimed_ticket(claim, THREADS: tl.constexpr):
+    """The ticket a :func:`_claim_ticket` vector holds (waits for its atomic)."""
+    return tl.max(tl.where(tl.arange(0, THREADS) == 0, claim, 0), axis=0)
 
 
 @triton.jit
@@ -215,7 +250,7 @@ def _producer_kernel(
     total, padded, batch, tiles,  # tiles: units per (sequence, head), covering the longest sequence's slots
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    THREADS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Quantize ``x [total, H, D]`` for the backward kernels in one kernel: each unit (TILE tokens
     of a sequence, one head) is read from HBM once and writes the requested outputs.
@@ -232,9 +267,10 @@ def _producer_kernel(
     waits until its chunk's maxima are complete. The lag covers a chunk plus the units in flight,
     so the second visit usually finds the maxima complete and the tile still in L2. Persistent
     programs take visits in ticket order (a counter in the workspace), maxima and quantizing visits
-    alternating: a quantizing visit only waits on maxima visits of smaller tickets, which programs
-    already running hold and finish without waiting, so the grid never deadlocks, however many
-    programs are resident (the interpreter runs them one after the other).
+    alternating. A quantizing visit only waits on maxima visits of smaller tickets; the programs
+    that took those are running, and finish and count them without waiting (a program counts a
+    maxima visit during its next visit, before that visit waits on anything). So the grid never
+    deadlocks, however many programs are resident (the interpreter runs them one after the other).
     """
     chunk_units = HEAD_CHUNK * tiles
     units = batch * (HEADS // HEAD_CHUNK) * chunk_units
@@ -242,9 +278,11 @@ def _producer_kernel(
     amax_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
     lag = chunk_units + tl.num_programs(0)
     tickets = 2 * (units + lag) if SEQUENCE else units
-    ticket = tl.atomic_add(workspace_ptr, 1, sem="relaxed")
+    next_claim = _claim_ticket(workspace_ptr, THREADS)
+    ticket = _claimed_ticket(next_claim, THREADS)
+    pending = -1  # the chunk of this program's last maxima visit, not counted yet
     while ticket < tickets:
-        next_ticket = tl.atomic_add(workspace_ptr, 1, sem="relaxed")  # in flight while this visit runs
+        next_claim = _claim_ticket(workspace_ptr, THREADS)  # in flight while this visit runs
         quantizing = True
         unit = ticket
         if SEQUENCE:
@@ -252,14 +290,16 @@ def _producer_kernel(
             unit = ticket // 2 - (ticket % 2) * lag
         if quantizing:
             _quantize_unit(
-                x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch,
+                x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch, pending,
                 feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
                 HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS, FEATURE, SEQUENCE, DELTA, INTERPRET,
             )
+            pending = -1
         else:
-            _maxima_unit(x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch,
-                         HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS)
-        ticket = next_ticket
+            pending = _maxima_unit(x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch, pending,
+                                   HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS)
+        ticket = _claimed_ticket(next_claim, THREADS)
+    _count_done(counts_ptr, pending)
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -542,7 +582,7 @@ class ProducerConfig:
     tile: int = 64
     num_warps: int = 8
     groups_side_by_side: int = 1
-    programs_per_sm: int = 4
+    programs_per_sm: int = 2  # what fits: 128 registers per thread (ptxas, sm_90)
 
     def head_chunk(self, heads: int, group: int) -> int:
         """Heads side by side: a whole number of scale groups that divides ``heads``."""
@@ -594,7 +634,7 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
         total, padded, batch, triton.cdiv(max_len, TILE_ROWS) * (TILE_ROWS // config.tile),
         HEADS=heads, HEAD_DIM=dim, TILE=config.tile, HEAD_CHUNK=head_chunk, GROUP=group,
         NORMALIZE_TOKENS=normalize_tokens, FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta,
-        INTERPRET=fp8.INTERPRETED, num_warps=config.num_warps,
+        THREADS=32 * config.num_warps, INTERPRET=fp8.INTERPRETED, num_warps=config.num_warps,
     )
     return result, delta, lse2
 

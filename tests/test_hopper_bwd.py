@@ -243,7 +243,8 @@ def test_producer_compiles_for_sm90():
     config = hopper_bwd.ProducerConfig()
     names = hopper_bwd._producer_kernel.arg_names
     constexprs = dict(HEADS=16, HEAD_DIM=128, TILE=config.tile, HEAD_CHUNK=config.groups_side_by_side, GROUP=1,
-                      NORMALIZE_TOKENS=False, FEATURE=True, SEQUENCE=True, DELTA=True, INTERPRET=False)
+                      NORMALIZE_TOKENS=False, FEATURE=True, SEQUENCE=True, DELTA=True, THREADS=32 * config.num_warps,
+                      INTERPRET=False)
     pointers = {n: ("*bf16" if n in ("x_ptr", "out_ptr") else "*fp8e4nv" if n in ("feature_ptr", "sequence_ptr")
                     else "*i32" if n in ("offsets_ptr", "workspace_ptr") else "*fp32")
                 for n in names if n.endswith("_ptr")}
