@@ -16,6 +16,11 @@ quantizing P once against the final (rounded-up) row maximum, whatever the tile 
 One program computes one (query tile, head): KV tiles that every row of the tile sees run
 without masks, the diagonal (causal) and ragged-end tiles with them. Programs are launched in
 the longest-first order of ``schedule.work_list``.
+
+On a GPU, ``attention_forward(_hp)`` run the warp-specialized Gluon version of this algorithm
+(``hopper_fwd_ws``: same operands, same softmax, 1.1x this kernel at d128, 1.6x with exact S,
+docs/PERF.md) for the S modes and head dims it has; this Triton kernel is what the CPU
+interpreter executes (CI) and serves the other configurations.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import triton.language as tl
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged
 
-from . import fp8, layout
+from . import fp8, hopper_fwd_ws, layout
 from .rebase import (
     dequantized_feature_rows,
     quantize_rebase_kv,
@@ -300,6 +305,9 @@ def attention_forward(
     K and V are rebased in one pass each; Q is rebased inside the kernel. ``scores`` picks how S is
     computed (:func:`tile_config`).
     """
+    if hopper_fwd_ws.runs_on(q.data, scores):
+        return hopper_fwd_ws.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                               out_dtype=out_dtype, scores=scores)
     config = tile_config(q.head_dim, scores)
     rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     return _forward(
@@ -320,6 +328,9 @@ def attention_forward_hp(
 ):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
+    if hopper_fwd_ws.runs_on(q, scores):
+        return hopper_fwd_ws.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal,
+                                                  softmax_scale=softmax_scale, out_dtype=out_dtype, scores=scores)
     config = tile_config(q.shape[-1], scores)
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     return _forward(

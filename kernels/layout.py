@@ -10,6 +10,16 @@ import triton.language as tl
 from jagged_attn import mx_format, offsets, scale_layout
 
 padded_seq_start = triton.jit(offsets.padded_seq_start)
+
+
+def pv_key_slot(key):
+    """Column of a key (its index within a 128-key tile) in the V^T copy that ``hopper_fwd_ws``
+    reads: key bits 1, 2, 3 move to 2, 3, 1. In that order the registers of P as the S wgmma's
+    accumulator are, unchanged, the A operand of the P·V wgmma (no shuffles)."""
+    return (key & ~0xE) | ((key & 0x2) << 1) | ((key & 0x4) << 1) | ((key >> 2) & 0x2)
+
+
+pv_key_slot_jit = triton.jit(pv_key_slot)
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
 rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)

@@ -197,7 +197,7 @@ def _sequence_exponent_kernel(
 def _rebase_sequence_kernel(
     src, scales, offsets, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, PV_KEY_ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     head = tl.program_id(1)
     seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
@@ -214,7 +214,7 @@ def _rebase_sequence_kernel(
     channels = tl.arange(0, D)
     channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
     rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, channel_byte[None, :])[:, None, :], INTERPRET)
-    padded_rows = layout.padded_seq_start(start, seq) + rows
+    padded_rows = layout.padded_seq_start(start, seq) + (layout.pv_key_slot_jit(rows) if PV_KEY_ORDER else rows)
     transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + padded_rows[:, None]
     # Rows past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
     tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)))
@@ -251,7 +251,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     return data, factor
 
 
-def _rebase_sequence(values, offsets, mx, rounding, work):
+def _rebase_sequence(values, offsets, mx, rounding, work, pv_key_order=False):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
@@ -267,7 +267,7 @@ def _rebase_sequence(values, offsets, mx, rounding, work):
     if work.shape[0]:
         _rebase_sequence_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
-            INTERPRET=fp8.INTERPRETED, **common,
+            PV_KEY_ORDER=pv_key_order, INTERPRET=fp8.INTERPRETED, **common,
         )
     return transposed, exponent
 
@@ -304,17 +304,19 @@ def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, roundi
     return _rebase_sequence(values, offsets, None, rounding, _tiles(offsets, values.shape[0]))
 
 
-def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False):
-    """``(*rebase_feature(k, group, exact), *rebase_sequence(v))`` with one tile list for both passes."""
+def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, pv_key_order: bool = False):
+    """``(*rebase_feature(k, group, exact), *rebase_sequence(v))`` with one tile list for both passes;
+    ``pv_key_order`` stores V^T's keys in ``layout.pv_key_slot`` order within each 128-key tile."""
     work = _tiles(k.offsets, k.total)
     return (*_rebase_feature(k.data, k.offsets, k, k.rounding, group, exact, work),
-            *_rebase_sequence(v.data, v.offsets, v, v.rounding, work))
+            *_rebase_sequence(v.data, v.offsets, v, v.rounding, work, pv_key_order))
 
 
-def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False):
+def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
+                       pv_key_order: bool = False):
     """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
-    with one tile list for both passes."""
+    with one tile list for both passes (``pv_key_order`` as in :func:`rebase_kv`)."""
     work = _tiles(offsets, k.shape[0])
     return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work),
-            *_rebase_sequence(v, offsets, None, "rceil", work))
+            *_rebase_sequence(v, offsets, None, "rceil", work, pv_key_order))
 

@@ -112,21 +112,28 @@ def backward_and_step_ms(name, forward, inputs, dout):
 
 def ours(w: Workload, backward: bool, sweep_configs=()):
     from jagged_attn import quantize_mxfp8
-    from jagged_attn.kernels import hopper_fwd, rebase
+    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, rebase
 
     mq = quantize_mxfp8(w.q, w.offsets_q)
     mk = quantize_mxfp8(w.k, w.offsets_k)
     mv = quantize_mxfp8(w.v, w.offsets_k, axis="sequence")
     forward = dict(causal=w.causal, softmax_scale=w.scale)
     results = {"ours mxfp8": median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, **forward))}
+    # The GPU kernel alone (hopper_fwd_ws), on Q, K, V rebased beforehand, with FP8 or exact S.
+    for label, scores in (("ours kernel", "fp8"), ("precise kernel", "bf16")):
+        exact = scores == "bf16"
+        config = hopper_fwd_ws.tile_config(w.dim, scores)
+        rebased = (*rebase.rebase_feature(mq, group=1, exact=exact),
+                   *rebase.rebase_kv(mk, mv, config["BLOCK_N"], exact=exact, pv_key_order=True))
+        results[label] = median_ms(lambda: hopper_fwd_ws._forward(
+            *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward))
     block_n = hopper_fwd.tile_config(w.dim)["BLOCK_N"]
-    for label, config in [("ours kernel", hopper_fwd.tile_config(w.dim))] + [
-        (f"cfg {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s", c) for c in sweep_configs
-    ]:
-        rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"]), *rebase.rebase_sequence(mv))
-        results[label] = median_ms(
+    # --sweep: tile configurations of the Triton kernel (the one the CPU interpreter runs).
+    for c in sweep_configs:
+        rebased = (*rebase.rebase_feature(mk, group=c["BLOCK_N"]), *rebase.rebase_sequence(mv))
+        results[f"triton {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s"] = median_ms(
             lambda: hopper_fwd._forward(
-                mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward
+                mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=c, **forward
             )
         )
     results["rebase ms: k"] = median_ms(lambda: rebase.rebase_feature(mk, group=block_n))
@@ -258,7 +265,7 @@ def ceilings():
 # ---- report -----------------------------------------------------------------------------------
 
 BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
-FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "ours precise", *BF16_PEERS]
+FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "ours precise", "precise kernel", *BF16_PEERS]
 BACKWARD_COLUMNS = ["ours bwd", *(c + " bwd" for c in BF16_PEERS)]
 STEP_COLUMNS = ["ours step", *(c + " step" for c in BF16_PEERS)]
 PANELS = [("forward", FORWARD_COLUMNS), ("backward", BACKWARD_COLUMNS), ("training step", STEP_COLUMNS)]

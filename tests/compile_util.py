@@ -19,7 +19,11 @@ from triton.backends.compiler import GPUTarget
 spec = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
 attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in spec["aligned"]}
-src = triton.compiler.ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+if spec["gluon"]:
+    from triton.experimental.gluon._runtime import GluonASTSource
+    src = GluonASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+else:
+    src = triton.compiler.ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
 options = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"], **spec["options"]}
 compiled = triton.compile(src, target=GPUTarget("cuda", spec["arch"], 32), options=options)
 sys.stdout.write(compiled.asm["ptx"])
@@ -27,16 +31,17 @@ sys.stdout.write(compiled.asm["ptx"])
 
 
 def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, arch: int = 90,
-                num_warps: int = 4, num_stages: int = 2, aligned=(), options=None) -> str:
+                num_warps: int = 4, num_stages: int = 2, aligned=(), options=None, gluon: bool = False) -> str:
     """PTX of ``module.kernel`` compiled for ``sm_{arch}``.
 
     ``signature`` maps every non-constexpr argument to a Triton type string (``"*fp8e4nv"``,
     ``"i32"``, ...) and constexpr arguments to ``"constexpr"``; ``constexprs`` gives their values.
     ``aligned`` names the arguments to compile as divisible by 16, as a real launch specializes
-    pointers and integers that are; ``options`` adds compile options (e.g. ``{"maxnreg": 128}``).
+    pointers and integers that are; ``options`` adds compile options (e.g. ``{"maxnreg": 128}``);
+    ``gluon`` for a ``gluon.jit`` kernel (tensor descriptors as ``"tensordesc<dtype[block],layout>"``).
     """
     spec = dict(module=module, kernel=kernel, signature=signature, constexprs=constexprs, arch=arch,
-                num_warps=num_warps, num_stages=num_stages, aligned=list(aligned), options=options or {})
+                num_warps=num_warps, num_stages=num_stages, aligned=list(aligned), options=options or {}, gluon=gluon)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(spec)], capture_output=True, text=True,
                             env=env, timeout=600)

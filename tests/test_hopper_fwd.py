@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from jagged_attn import quantize_mxfp8, reference
-from jagged_attn.kernels import hopper_fwd, rebase
+from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, sequence_ids
 from compile_util import compile_ptx
 
@@ -332,3 +332,79 @@ def score_scale(q, k, offsets_q, offsets_k, softmax_scale):
         if keys.stop > keys.start:
             largest[rows] = k_norm[keys].amax(0)
     return softmax_scale * q_norm * largest
+
+
+def test_pv_key_slot_is_the_operand_order_of_the_gluon_kernel():
+    """``layout.pv_key_slot`` (where V^T stores each key) and the bit reorder that turns P's
+    accumulator registers into the P·V operand in ``hopper_fwd_ws._as_pv_operand`` agree: operand
+    column k holds S column c exactly where k = pv_key_slot(c)."""
+    columns = torch.arange(128)
+    operand_column_source = columns.reshape(2, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(128)
+    slots = layout.pv_key_slot(columns)
+    assert sorted(slots.tolist()) == list(range(128))
+    assert torch.equal(slots[operand_column_source], columns)
+
+
+def test_rebase_kv_in_pv_key_order_permutes_each_tile(poisoned):
+    _, k, v, _, offsets_k = make_inputs([3], [0, 1, 129, 200], 1, 2, 64)
+    mk, mv = quantize_mxfp8(k, offsets_k), quantize_mxfp8(v, offsets_k, axis="sequence")
+    natural = rebase.rebase_kv(mk, mv, 128)
+    reordered = rebase.rebase_kv(mk, mv, 128, pv_key_order=True)
+    for a, b in zip(natural[:2] + natural[3:], reordered[:2] + reordered[3:]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # K and the V exponents are untouched
+    slots = torch.arange(natural[2].shape[2])
+    slots = slots // 128 * 128 + layout.pv_key_slot(slots % 128)
+    assert torch.equal(reordered[2][..., slots].view(torch.uint8), natural[2].view(torch.uint8))
+
+
+def _descriptor_type(dtype: str, block: list[int]) -> str:
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = gl.float8e4nv if dtype == "fp8e4nv" else gl.bfloat16
+    shared_layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{shared_layout!r}>"
+
+
+@pytest.mark.parametrize("scores, dim", [("fp8", 128), ("bf16", 128), ("fp8", 64)])
+def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
+    """The warp-specialized kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
+    wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg)."""
+    config = hopper_fwd_ws.tile_config(dim, scores)
+    qk = "fp8e4nv" if scores == "fp8" else "bf16"
+    signature = dict(
+        q_desc=_descriptor_type(qk, [64, dim]), k_desc=_descriptor_type(qk, [config["BLOCK_N"], dim]),
+        vt_desc=_descriptor_type("fp8e4nv", [dim, config["BLOCK_N"]]), q_factor="*fp32", k_factor="*fp32",
+        v_exponent="*u8", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32",
+        scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32",
+    )
+    constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
+    signature.update({name: "constexpr" for name in constexprs})
+    ptx = compile_ptx("jagged_attn.kernels.hopper_fwd_ws", "_attention_forward_kernel", signature, constexprs,
+                      arch=90, gluon=True)
+    wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    fp8_mma = [line for line in wgmma if "e4m3.e4m3" in line]
+    bf16_mma = [line for line in wgmma if "bf16.bf16" in line]
+    assert fp8_mma and len(fp8_mma) + len(bf16_mma) == len(wgmma) and bool(bf16_mma) == (scores == "bf16")
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores", ["fp8", "bf16"])
+@pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
+def test_gpu_gluon_kernel_matches_the_triton_kernel(poisoned, scores, len_q, len_k, heads_q, heads_kv, dim, causal):
+    """The Gluon kernel (what runs on GPUs) and the Triton kernel (what CI interprets) compute the
+    same thing: equal up to the order of fp32 sums."""
+    q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim)
+    mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
+    options = dict(causal=causal, softmax_scale=dim**-0.5, out_dtype=torch.float32)
+    out, lse = hopper_fwd_ws.attention_forward(mq, mk, mv, scores=scores, **options)
+    config = hopper_fwd.tile_config(dim, scores)
+    rebased_kv = rebase.rebase_kv(mk, mv, config["BLOCK_N"], exact=scores == "bf16")
+    triton_out, triton_lse = hopper_fwd._forward(mq.data, mq, *rebased_kv, offsets_q, offsets_k, config=config,
+                                                 **options)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert relative_l2(out, triton_out) <= 2e-3
+    assert torch.equal(torch.isinf(lse), torch.isinf(triton_lse))
+    finite = torch.isfinite(lse)
+    assert float((lse[finite] - triton_lse[finite]).abs().amax()) <= 1e-3 if finite.any() else True

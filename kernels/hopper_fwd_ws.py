@@ -1,0 +1,301 @@
+"""Varlen MXFP8 attention forward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
+
+Each program computes a 128-row query tile of one head: a loader warp streams K and V^T tiles
+with TMA into a ring of shared-memory stages, and two consumer warpgroups (64 query rows each)
+run S = Q K^T, the online softmax and O += P V on them. The consumers share every K/V tile (half
+the shared-memory traffic of two 64-row programs) and, not being tied by block-wide barriers,
+one's softmax runs while the other's MMAs do.
+
+Operands are those of ``hopper_fwd`` (``rebase.py``), Q rebased beforehand like K but per token:
+with SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they
+are their exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA rate). V^T is e4m3
+``[Hkv, D, padded_total]`` on one exponent per (sequence, head, channel). The softmax follows
+``hopper_fwd``: exp2 domain, row maximum rounded up to an integer, P on the static 2^8 scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from jagged_attn import mx_format
+
+from . import layout
+from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
+from .schedule import work_list
+
+CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M)
+CONSUMERS = 2
+BLOCK_M = CONSUMER_ROWS * CONSUMERS
+LN2 = gl.constexpr(math.log(2.0))
+P_STATIC_EXP = gl.constexpr(mx_format.P_STATIC_EXP)
+FINITE_FLOOR = gl.constexpr(-1.0e30)
+
+
+SCORE_MODES = ("fp8", "bf16")
+HEAD_DIMS = (64, 128)
+
+
+def tile_config(head_dim: int, scores: str = "fp8") -> dict:
+    """KV tile, pipeline depth (measured: 2 stages within 1% of these) and the registers of the
+    loader warp and the consumer warpgroups (``setmaxnreg``)."""
+    if scores not in SCORE_MODES or head_dim not in HEAD_DIMS:
+        raise ValueError(f"no configuration for scores={scores!r}, head_dim={head_dim}")
+    stages = 4 if scores == "fp8" else 3
+    return dict(BLOCK_N=128, STAGES=stages, SCORES=scores, LOADER_REGS=24, CONSUMER_REGS=240)
+
+
+@gluon.jit
+def _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(sequence, first row of the program's tile, q start, len_q, k start, len_k, KV tiles to stream)."""
+    seq = gl.load(work + 2 * slot)
+    row0 = gl.load(work + 2 * slot + 1) * (2 * 64)
+    q_start = gl.load(offsets_q + seq).to(gl.int64)
+    len_q = (gl.load(offsets_q + seq + 1) - q_start).to(gl.int32)
+    k_start = gl.load(offsets_k + seq).to(gl.int64)
+    len_k = (gl.load(offsets_k + seq + 1) - k_start).to(gl.int32)
+    if CAUSAL:
+        last_row = gl.minimum(row0 + 2 * 64, len_q) - 1
+        col_end = gl.minimum(gl.maximum(last_row + 1 + len_k - len_q, 0), len_k)
+    else:
+        col_end = len_k
+    return seq, row0, q_start, len_q, k_start, len_k, gl.cdiv(col_end, BLOCK_N)
+
+
+@gluon.jit
+def _load_kv(k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_row, k_col, vt_row, vt_col, n_tiles,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Loader warp: K tile i into stage i % STAGES once both consumers released its previous use."""
+    for i in range(n_tiles):
+        stage = i % STAGES
+        mbarrier.wait(kv_empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vt_desc, [vt_row, vt_col + i * BLOCK_N], v_ready.index(stage),
+                                        v_smem.index(stage))
+
+
+@gluon.jit
+def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0, last_col, masked,
+                             BLOCK_N: gl.constexpr, s_cols: gl.constexpr):
+    """Online-softmax step on one S tile: (P in (0, 256], alpha, new row max, new row sum)."""
+    s = s * (row_scale * k_tile_factor)[:, None]
+    if masked:
+        cols = col0 + gl.arange(0, BLOCK_N, layout=s_cols)
+        s = gl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
+    new_max = gl.maximum(row_max, gl.ceil(gl.max(s, axis=1)))
+    alpha = gl.exp2(row_max - new_max)
+    p = gl.exp2(s - (new_max - P_STATIC_EXP)[:, None])
+    return p, alpha, new_max, row_sum * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _as_pv_operand(p, p_layout: gl.constexpr):
+    """P (fp32, S's accumulator layout) as the fp8 A operand of P·V, with no data movement: the
+    column bits are reordered as ``layout.pv_key_slot`` orders the keys of V^T."""
+    keys = p.to(gl.float8e4nv).reshape([p.shape[0], 2, 2, 2, 2, 2, 2, 2])
+    keys = keys.permute([0, 1, 2, 3, 5, 6, 4, 7]).reshape([p.shape[0], p.shape[1]])
+    return gl.convert_layout(keys, p_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, k_smem, v_smem, k_ready, v_ready,
+             kv_empty, seq, head, kv_head, rows0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row,
+             n_tiles, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr):
+    """One consumer warpgroup: 64 query rows against the streamed KV tiles, then its rows of O and LSE.
+
+    The MMAs are software-pipelined (FlashAttention-3's intra-warpgroup overlap): S of tile i is
+    issued together with P·V of tile i - 1, and the softmax of tile i runs while P·V computes."""
+    ROWS: gl.constexpr = 64
+    S_K: gl.constexpr = 16 if EXACT else 32
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, S_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    row0 = rows0 + CONSUMER * ROWS
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [(q_start + row0).to(gl.int32), q_col], q_ready, q_smem)
+
+    rows = row0 + gl.arange(0, ROWS, layout=s_rows)
+    in_seq = rows < len_q
+    row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
+    diagonal = len_k - len_q
+    # Query i sees keys j <= i + diagonal (causal, bottom-right aligned); tiles from the first
+    # one some row of this consumer does not fully see need the mask.
+    if CAUSAL:
+        last_col = gl.minimum(rows + diagonal, len_k - 1)
+        my_end = gl.minimum(gl.maximum(gl.minimum(row0 + ROWS, len_q) + diagonal, 0), len_k)
+        first_masked = gl.minimum(gl.maximum(row0 + 1 + diagonal, 0), len_k) // BLOCK_N
+    else:
+        last_col = gl.full([ROWS], 0, gl.int32, layout=s_rows) + (len_k - 1)
+        my_end = len_k
+        first_masked = len_k // BLOCK_N
+    my_tiles = gl.where(row0 < len_q, gl.cdiv(my_end, BLOCK_N), 0).to(gl.int32)
+
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    o_zero = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
+    row_max = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=s_rows)
+    mbarrier.wait(q_ready, 0)
+    for i in range(my_tiles):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_ready.index(stage), phase)
+        k_tile_factor = gl.load(k_factor + k_factor_row + i)
+        k_view = k_smem.index(stage).permute((1, 0))
+        s = warpgroup_mma(q_smem, k_view, s_zero, use_acc=False, is_async=True)
+        s, _, _ = warpgroup_mma_wait(0, deps=(s, q_smem, k_view))
+        p, alpha, row_max, row_sum = _scores_to_probabilities(
+            s, row_scale, k_tile_factor, row_max, row_sum, i * BLOCK_N, last_col, i >= first_masked, BLOCK_N, s_cols)
+        p8 = _as_pv_operand(p, p_layout)
+        mbarrier.wait(v_ready.index(stage), phase)
+        v_view = v_smem.index(stage).permute((1, 0))
+        # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
+        # alignment, which would bias small late tiles towards zero against a large running O.
+        o_tile = warpgroup_mma(p8, v_view, o_zero, use_acc=False, is_async=True)
+        o_tile, _ = warpgroup_mma_wait(0, deps=(o_tile, v_view))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+        acc = gl.fma(acc, gl.convert_layout(alpha, o_rows)[:, None], o_tile)
+    # Tiles this consumer's rows never see (causal): released all the same.
+    for i in range(my_tiles, n_tiles):
+        mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(i % STAGES), count=1)
+
+    channels = gl.arange(0, D, layout=o_cols)
+    v_factor = layout.scale_value(gl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(gl.int32))
+    seen = row_sum > 0.0
+    inverse_sum = gl.where(seen, 1.0 / gl.where(seen, row_sum, 1.0), 0.0)
+    o = acc * gl.convert_layout(inverse_sum, o_rows)[:, None] * v_factor[None, :]
+    o_token = q_start + row0 + gl.arange(0, ROWS, layout=o_rows)
+    o_in_seq = gl.convert_layout(in_seq, o_rows)
+    gl.store(out + (o_token * HEADS_Q + head)[:, None] * D + channels[None, :], o.to(out.dtype.element_ty),
+             mask=o_in_seq[:, None])
+    log_sum = (row_max - P_STATIC_EXP + gl.log2(gl.where(seen, row_sum, 1.0))) * LN2
+    gl.store(lse + (q_start + rows) * HEADS_Q + head, gl.where(seen, log_sum, -float("inf")), mask=in_seq)
+
+
+@gluon.jit
+def _attention_forward_kernel(
+    q_desc, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work, scale_log2,
+    q_groups, k_groups, batch,
+    HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    slot = gl.program_id(0) // HEADS_Q
+    head = gl.program_id(0) % HEADS_Q
+    if gl.load(work + 2 * slot) < 0:
+        return
+    seq, row0, q_start, len_q, k_start, len_k, n_tiles = _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N,
+                                                                     CAUSAL)
+    kv_head = head // (HEADS_Q // HEADS_KV)
+    q_factor_row = head.to(gl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
+    k_factor_row = kv_head.to(gl.int64) * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D, BLOCK_N], vt_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(stage), count=1)
+        mbarrier.init(v_ready.index(stage), count=1)
+        mbarrier.init(kv_empty.index(stage), count=2)
+    fence_async_shared()
+
+    EXACT: gl.constexpr = SCORES == "bf16"
+    q_col = head * D
+    vt_col = layout.padded_seq_start(k_start, seq).to(gl.int32)
+    gl.warp_specialize(
+        [
+            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), k_smem,
+                        v_smem, k_ready, v_ready, kv_empty, seq, head, kv_head, row0, q_start, len_q, len_k, q_col,
+                        q_factor_row, k_factor_row, n_tiles, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
+                        CAUSAL)),
+            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), k_smem,
+                        v_smem, k_ready, v_ready, kv_empty, seq, head, kv_head, row0, q_start, len_q, len_k, q_col,
+                        q_factor_row, k_factor_row, n_tiles, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
+                        CAUSAL)),
+            (_load_kv, (k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_start.to(gl.int32),
+                        kv_head * D, kv_head * D, vt_col, n_tiles, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+def _descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    dtype = gl.float8e4nv if t2d.dtype == torch.float8_e4m3fn else gl.bfloat16
+    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
+             out_dtype, config):
+    """The kernel on rebased Q, K (``rebase_feature``: per token / per ``BLOCK_N`` tile) and V^T."""
+    total_q, heads_q, dim = q_rebased.shape
+    total_k, heads_kv, _ = k_rebased.shape
+    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q_rebased.device)
+    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q_rebased.device)
+    work = work_list(offsets_q, offsets_k, total_q, BLOCK_M, causal=causal)
+    if work.shape[0]:
+        _attention_forward_kernel[(work.shape[0] * heads_q,)](
+            _descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS, dim]),
+            _descriptor(k_rebased.view(total_k, heads_kv * dim), [config["BLOCK_N"], dim]),
+            _descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, config["BLOCK_N"]]),
+            q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work,
+            softmax_scale / math.log(2.0), q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, num_warps=4, **config,
+        )
+    return out, lse
+
+
+def runs_on(x: torch.Tensor, scores: str) -> bool:
+    """Whether this kernel serves ``hopper_fwd``'s call: CUDA tensors (the Triton kernel of
+    ``hopper_fwd`` is the one the CPU interpreter runs), S mode and head_dim it was tuned for."""
+    return x.is_cuda and scores in SCORE_MODES and x.shape[-1] in HEAD_DIMS
+
+
+def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16, scores="fp8"):
+    """``hopper_fwd.attention_forward`` (MXFP8Jagged q, k on the feature axis, v on the sequence axis)."""
+    config = tile_config(q.head_dim, scores)
+    exact = scores == "bf16"
+    rebased_q = rebase_feature(q, group=1, exact=exact)
+    rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=exact, pv_key_order=True)
+    return _forward(*rebased_q, *rebased_kv, q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale,
+                    out_dtype=out_dtype, config=config)
+
+
+def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
+                         scores="fp8"):
+    """``hopper_fwd.attention_forward_hp`` (bf16/fp16 q, k, v, each quantized and rebased in one pass)."""
+    config = tile_config(q.shape[-1], scores)
+    exact = scores == "bf16"
+    rebased_q = quantize_rebase_feature(q, offsets_q, group=1, exact=exact)
+    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, pv_key_order=True)
+    return _forward(*rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
+                    out_dtype=q.dtype if out_dtype is None else out_dtype, config=config)
