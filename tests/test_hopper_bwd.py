@@ -184,8 +184,9 @@ def assert_producer_matches(x, offsets, config, monkeypatch, *, group, normalize
     expected = producer_oracle(x, offsets, **options)
     assert got.keys() == expected.keys()
     for name, tensor in got.items():
-        if name == "delta":  # a sum over head_dim, added in another order
-            torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-5)
+        if name == "delta":  # a sum over head_dim, added in another order: to its rounding
+            bound = 1e-5 * (x.float() * out.float()).abs().sum(-1).T
+            assert ((tensor - expected[name]).abs() <= bound).all(), "delta differs from the oracle"
         elif tensor.dtype == torch.float8_e4m3fn:
             assert_data_identical(tensor, expected[name])
         else:
