@@ -58,13 +58,13 @@ CONFIGS = {
         TileConfig("all-4w-v8-r168", None, 4, 8, max_registers=168),
     )
 }
-# The configuration for each set of axes (sorted as in AXES). Feature: measured on an H200 (1 GiB
-# bf16, 2026-11-30 00:00 UTC, docs/PERF.md), 87% of the device-copy bandwidth. Sequence and both:
-# the warp-local layout quantize.py measured fastest for those axes, not yet measured here.
+# The configuration for each set of axes (sorted as in AXES): measured on an H200 (1 GiB bf16,
+# 2026-11-30 02:50 UTC, docs/PERF.md), "all-8w-v8-r128" is the fastest for every set: 86%
+# (feature), 85% (sequence), 86% (both) of the device-copy bandwidth; "all-4w-v8" 78 / 82 / 79%.
 DEFAULT_CONFIGS = {
     ("feature",): CONFIGS["all-8w-v8-r128"],
-    ("sequence",): CONFIGS["all-4w-v8"],
-    ("feature", "sequence"): CONFIGS["all-4w-v8"],
+    ("sequence",): CONFIGS["all-8w-v8-r128"],
+    ("feature", "sequence"): CONFIGS["all-8w-v8-r128"],
 }
 
 

@@ -240,8 +240,7 @@ def test_compiles_for_sm90(config):
 def test_warp_local_layout_exchanges_only_the_per_row_values():
     """With one 32-token block per warp (4 warps) the sequence-axis maxima and the rstd sum stay
     inside warps: the barriers left are the weight's (1), the scale bytes' (2) and rstd's (2)."""
-    config = rq.DEFAULT_CONFIGS[("sequence",)]
-    assert config.num_warps == 4
+    config = rq.CONFIGS["all-4w-v8"]
     ptx = compile_per_tile_kernel(
         "jagged_attn.kernels.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config,
         STORE_NORMALIZED=True, FEATURE=False, CHECK_FINITE=False,
