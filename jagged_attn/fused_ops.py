@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .backends import _KERNEL_BACKENDS, HOPPER_BACKENDS, get_backend
+from .backends import get_backend
 from .mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
 from .ops import attention_backward_op
 from .scale_layout import tiled_bytes
@@ -123,24 +123,6 @@ def _rms_norm_gradients(dy, x, weight, rstd):
 rms_norm_quantize_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 
-def _forward_prequantized(q: MXFP8Jagged, k: MXFP8Jagged, v: torch.Tensor, causal, softmax_scale, backend, out_dtype):
-    """(out, lse) from MXFP8 q, k and high-precision v. The Hopper kernels quantize V straight from
-    bf16 in their sequence-axis rebasing passes, as ``attention_forward_hp`` does: the same bytes
-    as a sequence-axis quantize kernel followed by the rebasing of its output, with one launch and
-    one buffer fewer. Other backends take V quantized along the sequence axis."""
-    if backend in HOPPER_BACKENDS:
-        from .kernels import hopper_fwd
-        from .kernels.rebase import quantize_rebase_sequence, rebase_feature
-
-        config = hopper_fwd.tile_config(q.head_dim, _KERNEL_BACKENDS[backend][2].get("scores", "fp8"))
-        rebased_k = rebase_feature(k, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
-        rebased_v = quantize_rebase_sequence(v, k.offsets)
-        return hopper_fwd._forward(q.data, q, *rebased_k, *rebased_v, q.offsets, k.offsets, causal=causal,
-                                   softmax_scale=softmax_scale, out_dtype=out_dtype, config=config)
-    v_mx = quantize_mxfp8(v, k.offsets, axis="sequence")
-    return get_backend(backend).forward_mx(q, k, v_mx, causal, softmax_scale, out_dtype)
-
-
 @torch.library.custom_op("jagged_attn::prequantized_attention", mutates_args=())
 def prequantized_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_data: torch.Tensor, q_scales: torch.Tensor,
@@ -149,10 +131,16 @@ def prequantized_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """High-precision ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` and the feature-axis MXFP8
     of q and k (rceil) -> (out like q, lse fp32 ``[total_q, Hq]``). The forward reads q, k only
-    through their MXFP8; ``deterministic`` only matters to the backward."""
+    through their MXFP8; ``deterministic`` only matters to the backward.
+
+    V is quantized along the sequence axis here, then the backend's MXFP8 forward rebases it: the
+    same bytes as quantizing it inside the rebasing passes (``attention_forward_hp``: bf16 V read
+    twice, for the exponents and the data, ~5 bytes per element either way), one launch and one
+    temporary e4m3 V more, through the backend's public entry point whatever kernel it runs."""
     q_mx = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
     k_mx = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
-    return _forward_prequantized(q_mx, k_mx, v, causal, softmax_scale, backend, q.dtype)
+    v_mx = quantize_mxfp8(v, offsets_k, axis="sequence")
+    return get_backend(backend).forward_mx(q_mx, k_mx, v_mx, causal, softmax_scale, q.dtype)
 
 
 @prequantized_attention_op.register_fake
