@@ -243,7 +243,7 @@ def _claimed_ticket(claim, THREADS: tl.constexpr):
 @triton.jit
 def _producer_kernel(
     x_ptr, offsets_ptr,
-    workspace_ptr,  # int32, zeroed: [ticket, counts [B * H / HEAD_CHUNK], amax bits [H / GROUP, B, D]]
+    workspace_ptr,  # int32, zeroed: [amax bits [H / GROUP, B, D] (with SEQUENCE), counts [B * H / HEAD_CHUNK], ticket]
     feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
     sequence_ptr, sequence_scale_ptr,  # e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
@@ -274,15 +274,16 @@ def _producer_kernel(
     """
     chunk_units = HEAD_CHUNK * tiles
     units = batch * (HEADS // HEAD_CHUNK) * chunk_units
-    counts_ptr = workspace_ptr + 1
-    amax_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
+    amax_ptr = workspace_ptr
+    counts_ptr = amax_ptr + ((HEADS // GROUP) * batch * HEAD_DIM if SEQUENCE else 0)
+    ticket_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
     lag = chunk_units + tl.num_programs(0)
     tickets = 2 * (units + lag) if SEQUENCE else units
-    next_claim = _claim_ticket(workspace_ptr, THREADS)
+    next_claim = _claim_ticket(ticket_ptr, THREADS)
     ticket = _claimed_ticket(next_claim, THREADS)
     pending = -1  # the chunk of this program's last maxima visit, not counted yet
     while ticket < tickets:
-        next_claim = _claim_ticket(workspace_ptr, THREADS)  # in flight while this visit runs
+        next_claim = _claim_ticket(ticket_ptr, THREADS)  # in flight while this visit runs
         quantizing = True
         unit = ticket
         if SEQUENCE:
@@ -615,13 +616,14 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     if feature:
         result.feature, result.feature_scale = torch.empty(x.shape, **e4m3), torch.empty(heads, total, **f32)
     head_chunk = config.head_chunk(heads, group)
-    # One zeroed int32 buffer: the ticket, the chunks' done counts, the maxima, then (as fp32) the
-    # sequence-axis scales (zero for empty sequences, which no unit writes).
+    # One zeroed int32 buffer (one memset): the sequence-axis scales as fp32 (zero for empty
+    # sequences, which no unit writes), then the kernel's workspace.
     maxima = (heads // group) * batch * dim if sequence else 0
-    workspace = torch.zeros(1 + batch * heads // head_chunk + 2 * maxima, dtype=torch.int32, device=x.device)
+    zeroed = torch.zeros(2 * maxima + batch * heads // head_chunk + 1, dtype=torch.int32, device=x.device)
+    workspace = zeroed[maxima:]
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, **e4m3)
-        result.sequence_scale = workspace[-maxima:].view(torch.float32).view(heads // group, batch, dim)
+        result.sequence_scale = zeroed[:maxima].view(torch.float32).view(heads // group, batch, dim)
     if max_len == 0:
         return result, delta, lse2
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
