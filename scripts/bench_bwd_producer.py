@@ -6,8 +6,9 @@ kernel is memory-bound, the values do not matter). GB/s counts each byte once: d
 dO written in both layouts, the LSE read, and per (token, head) the token scale, Delta and lse2
 written; the copy reads and writes that many bytes in all. Each split's outputs are checked against
 the default split's (bit for bit; Delta, summed in another order, to rounding). Then the default split
-on a GQA problem (each sequence-axis scale shared by 4 heads) and on ragged lengths (uniform in
-[1, 4096], as many tokens). Median of ``triton.testing.do_bench``; the times include the
+on a GQA problem (each sequence-axis scale shared by 4 heads), without the sequence-axis copy
+(each unit visited once: what the two visits cost) and on ragged lengths (uniform in [1, 4096],
+as many tokens). Median of ``triton.testing.do_bench``; the times include the
 producer's allocations and the zeroing of its workspace, as in the backward.
 
     python3 scripts/bench_bwd_producer.py [--batch 8] [--length 8192] [--heads 16] [--dim 128]
@@ -37,15 +38,15 @@ GQA_GROUP = 4
 DEFAULT = hopper_bwd.ProducerConfig()
 
 
-def produce(dout, out, lse, offsets, max_len, config=DEFAULT, group=1):
-    return hopper_bwd._quantize(dout, offsets, max_len, feature=True, sequence=True, group=group, out=out, lse=lse,
-                                config=config)
+def produce(dout, out, lse, offsets, max_len, config=DEFAULT, group=1, sequence=True):
+    return hopper_bwd._quantize(dout, offsets, max_len, feature=True, sequence=sequence, group=group, out=out,
+                                lse=lse, config=config)
 
 
 def counted_bytes(dout, out, lse, outputs) -> int:
     """Bytes the producer moves at least (the sequence-axis copy counted without its padding)."""
     result, delta, lse2 = outputs
-    e4m3_copies = 2 * dout.numel()
+    e4m3_copies = (1 if result.sequence is None else 2) * dout.numel()
     return nbytes(dout, out, lse, result.feature_scale, result.sequence_scale, delta, lse2) + e4m3_copies
 
 
@@ -94,6 +95,10 @@ def main():
     gqa_moved = counted_bytes(*tensors, produce(*tensors, dense, dense_len, group=GQA_GROUP))
     gqa_ms = median_ms(lambda: produce(*tensors, dense, dense_len, group=GQA_GROUP))
     rows.append((f"GQA, scales shared by {GQA_GROUP} heads, default split", gqa_ms, gqa_moved / gqa_ms / 1e6))
+    # Diagnostic: the same kernel without the sequence-axis copy visits each unit once (no maxima).
+    single_moved = counted_bytes(*tensors, produce(*tensors, dense, dense_len, sequence=False))
+    single_ms = median_ms(lambda: produce(*tensors, dense, dense_len, sequence=False))
+    rows.append(("without the sequence-axis copy, default split", single_ms, single_moved / single_ms / 1e6))
     ragged = ragged_offsets(tokens, "cuda")
     ragged_len = max_length(ragged)
     ragged_moved = counted_bytes(*tensors, produce(*tensors, ragged, ragged_len))
