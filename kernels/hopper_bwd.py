@@ -124,16 +124,40 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _unit_place(unit, tiles, HEADS: tl.constexpr, HEAD_CHUNK: tl.constexpr):
-    """(sequence, head, tile, chunk) of work unit ``unit``. Units run chunk by chunk, a chunk being
-    HEAD_CHUNK consecutive heads of one sequence (sequence-major); inside a chunk, tile by tile with
-    its heads side by side."""
-    chunk_units = HEAD_CHUNK * tiles
-    chunk = unit // chunk_units
-    within = unit % chunk_units
-    chunks_per_sequence = HEADS // HEAD_CHUNK
-    head = chunk % chunks_per_sequence * HEAD_CHUNK + within % HEAD_CHUNK
-    return chunk // chunks_per_sequence, head, within // HEAD_CHUNK, chunk
+def _slot_sequence(slot, offsets_ptr, batch, search_steps):
+    """The sequence that owns padded 128-token slot ``slot``: the last ``b`` whose first slot
+    (``padded_seq_start``) is at most ``slot``, in ``search_steps = batch.bit_length()`` halving steps."""
+    b = slot * 0
+    for i in range(search_steps):
+        probe = b + (1 << (search_steps - 1 - i))
+        below = probe < batch
+        first_row = tl.load(offsets_ptr + probe, mask=below, other=0).to(tl.int64)
+        b = tl.where(below & (padded_seq_start(first_row, probe) // SEQUENCE_SLOT <= slot), probe, b)
+    return b
+
+
+@triton.jit
+def _unit_place(unit, offsets_ptr, batch, search_steps, HEADS: tl.constexpr, TILE: tl.constexpr,
+                HEAD_CHUNK: tl.constexpr):
+    """Where work unit ``unit`` lies: (sequence, its first token row and length, head, tile, chunk,
+    whether the unit exists: not if ``offsets[-1]`` falls short of the rows).
+
+    Sequence ``b`` owns the units of its padded slots (``padded_seq_start`` placement: its tokens'
+    slots, then at most one more), HEADS * SEQUENCE_SLOT / TILE units per slot, so few units lie
+    past the sequences' tokens. They run chunk by chunk, a chunk being HEAD_CHUNK consecutive heads
+    of one sequence; inside a chunk, tile by tile with its heads side by side."""
+    units_per_slot = HEADS * (SEQUENCE_SLOT // TILE)
+    b = _slot_sequence(unit // units_per_slot, offsets_ptr, batch, search_steps)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    first_slot = padded_seq_start(seq_start, b) // SEQUENCE_SLOT
+    slots = (padded_seq_start(seq_start + seq_len, b + 1) // SEQUENCE_SLOT - first_slot).to(tl.int32)
+    chunk_units = slots * (units_per_slot // HEADS * HEAD_CHUNK)
+    within_sequence = (unit - first_slot * units_per_slot).to(tl.int32)
+    chunk = within_sequence // chunk_units
+    within = within_sequence % chunk_units
+    head = chunk * HEAD_CHUNK + within % HEAD_CHUNK
+    exists = within_sequence < slots * units_per_slot
+    return b, seq_start, seq_len, head, within // HEAD_CHUNK, b * (HEADS // HEAD_CHUNK) + chunk, exists
 
 
 @triton.jit
@@ -147,7 +171,7 @@ def _count_done(counts_ptr, chunk):
 
 @triton.jit
 def _maxima_unit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch, pending,
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, batch, search_steps, pending,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr,
 ):
@@ -156,10 +180,10 @@ def _maxima_unit(
     unit's chunk, for the program to count as done later (-1 past the sequence's tokens: nothing
     to count); counts the ``pending`` chunk of the program's previous visit once this unit's tile
     is on its way (so the wait for that visit's atomics overlaps this load)."""
-    b, h, tile, chunk = _unit_place(tl.minimum(unit, units - 1), tiles, HEADS, HEAD_CHUNK)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    b, seq_start, seq_len, h, tile, chunk, exists = _unit_place(tl.minimum(unit, units - 1), offsets_ptr, batch,
+                                                                search_steps, HEADS, TILE, HEAD_CHUNK)
     done = -1
-    if (unit < units) & (tile * TILE < seq_len):
+    if (unit < units) & exists & (tile * TILE < seq_len):
         # evict_last: the quantizing visit of this tile reads it again from L2 (see _producer_kernel)
         _, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
         x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -175,7 +199,7 @@ def _maxima_unit(
 
 @triton.jit
 def _quantize_unit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch, pending,
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, total, padded, batch, search_steps, pending,
     feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
@@ -184,9 +208,10 @@ def _quantize_unit(
     """Write the outputs of one unit (see :func:`_producer_kernel`); units of a sequence's last
     slot past its tokens write the zeros of the sequence-axis copy only. Counts the ``pending``
     chunk as :func:`_maxima_unit` does, before waiting on any count."""
-    b, h, tile, chunk = _unit_place(tl.minimum(tl.maximum(unit, 0), units - 1), tiles, HEADS, HEAD_CHUNK)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
-    if (unit >= 0) & (unit < units) & (tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT):
+    b, seq_start, seq_len, h, tile, chunk, exists = _unit_place(tl.minimum(tl.maximum(unit, 0), units - 1), offsets_ptr,
+                                                                batch, search_steps, HEADS, TILE, HEAD_CHUNK)
+    in_slots = tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT
+    if (unit >= 0) & (unit < units) & exists & in_slots:
         # O before x: Triton transposes x through shared memory (for the sequence-axis copy) as soon
         # as it arrives, which holds back the loads issued after it.
         rows, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
@@ -247,7 +272,7 @@ def _producer_kernel(
     feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
     sequence_ptr, sequence_scale_ptr,  # e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
-    total, padded, batch, tiles,  # tiles: units per (sequence, head), covering the longest sequence's slots
+    total, padded, batch, search_steps, max_slots,  # batch.bit_length(); slots of the longest sequence
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
     THREADS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -272,12 +297,11 @@ def _producer_kernel(
     maxima visit during its next visit, before that visit waits on anything). So the grid never
     deadlocks, however many programs are resident (the interpreter runs them one after the other).
     """
-    chunk_units = HEAD_CHUNK * tiles
-    units = batch * (HEADS // HEAD_CHUNK) * chunk_units
+    units = padded // SEQUENCE_SLOT * HEADS * (SEQUENCE_SLOT // TILE)
     amax_ptr = workspace_ptr
     counts_ptr = amax_ptr + ((HEADS // GROUP) * batch * HEAD_DIM if SEQUENCE else 0)
     ticket_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
-    lag = chunk_units + tl.num_programs(0)
+    lag = max_slots * (SEQUENCE_SLOT // TILE) * HEAD_CHUNK + tl.num_programs(0)  # the longest chunk, and more
     tickets = 2 * (units + lag) if SEQUENCE else units
     next_claim = _claim_ticket(ticket_ptr, THREADS)
     ticket = _claimed_ticket(next_claim, THREADS)
@@ -291,13 +315,13 @@ def _producer_kernel(
             unit = ticket // 2 - (ticket % 2) * lag
         if quantizing:
             _quantize_unit(
-                x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, total, padded, batch, pending,
+                x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, total, padded, batch, search_steps, pending,
                 feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
                 HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS, FEATURE, SEQUENCE, DELTA, INTERPRET,
             )
             pending = -1
         else:
-            pending = _maxima_unit(x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, tiles, batch, pending,
+            pending = _maxima_unit(x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, batch, search_steps, pending,
                                    HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS)
         ticket = _claimed_ticket(next_claim, THREADS)
     _count_done(counts_ptr, pending)
@@ -633,7 +657,7 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
         result.sequence if sequence else unused, result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused,
         delta if with_delta else unused, lse2 if with_delta else unused,
-        total, padded, batch, triton.cdiv(max_len, TILE_ROWS) * (TILE_ROWS // config.tile),
+        total, padded, batch, batch.bit_length(), triton.cdiv(max_len, TILE_ROWS) + 1,
         HEADS=heads, HEAD_DIM=dim, TILE=config.tile, HEAD_CHUNK=head_chunk, GROUP=group,
         NORMALIZE_TOKENS=normalize_tokens, FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta,
         THREADS=32 * config.num_warps, INTERPRET=fp8.INTERPRETED, num_warps=config.num_warps,
