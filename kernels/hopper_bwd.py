@@ -170,83 +170,88 @@ def _count_done(counts_ptr, chunk):
 
 
 @triton.jit
-def _maxima_unit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, batch, search_steps, pending,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    NORMALIZE_TOKENS: tl.constexpr,
-):
-    """Fold one unit's channel maxima of :func:`_sequence_axis_values` into ``amax`` (int32 bits of
-    the fp32 values, ``[H / GROUP, B, D]``: non-negative floats order like their bits). Returns the
-    unit's chunk, for the program to count as done later (-1 past the sequence's tokens: nothing
-    to count); counts the ``pending`` chunk of the program's previous visit once this unit's tile
-    is on its way (so the wait for that visit's atomics overlaps this load)."""
-    b, seq_start, seq_len, h, tile, chunk, exists = _unit_place(tl.minimum(unit, units - 1), offsets_ptr, batch,
-                                                                search_steps, HEADS, TILE, HEAD_CHUNK)
+def _fold_maxima(x, amax_ptr, folding, chunk, HEAD_DIM: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr):
+    """Where ``folding``: atomically fold the channel maxima of :func:`_sequence_axis_values` of the
+    tile ``x`` into ``amax[:HEAD_DIM]`` and return ``chunk`` (to count as done); else -1."""
     done = -1
-    if (unit < units) & exists & (tile * TILE < seq_len):
-        # evict_last: the quantizing visit of this tile reads it again from L2 (see _producer_kernel)
-        _, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-        x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_last").to(tl.float32)
-        _count_done(counts_ptr, pending)
-        amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
-        channels = tl.arange(0, HEAD_DIM)
-        tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + channels, amax_bits, sem="relaxed")
+    if folding:
+        amax_bits = tl.max(tl.abs(_sequence_axis_values(x.to(tl.float32), NORMALIZE_TOKENS)), axis=0)
+        tl.atomic_max(amax_ptr + tl.arange(0, HEAD_DIM), amax_bits.to(tl.int32, bitcast=True), sem="relaxed")
         done = chunk
-    else:
-        _count_done(counts_ptr, pending)
     return done
 
 
 @triton.jit
-def _quantize_unit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, total, padded, batch, search_steps, pending,
+def _visit(
+    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, ahead, units, total, padded, batch, search_steps, pending,
     feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Write the outputs of one unit (see :func:`_producer_kernel`); units of a sequence's last
-    slot past its tokens write the zeros of the sequence-axis copy only. Counts the ``pending``
-    chunk as :func:`_maxima_unit` does, before waiting on any count."""
+    """Write the outputs of work unit ``unit`` (see :func:`_producer_kernel`; units of a sequence's
+    last slot past its tokens write the zeros of the sequence-axis copy only) and, with SEQUENCE,
+    fold the channel maxima of unit ``ahead`` into ``amax`` (int32 bits of the fp32 values of
+    :func:`_sequence_axis_values`, ``[H / GROUP, B, D]``: non-negative floats order like their bits).
+
+    All loads are issued first, so that one memory latency serves both units. ``ahead``'s maxima
+    are counted as done during the program's next visit (returned here), once that visit's loads
+    are on their way: the wait for this visit's atomics then overlaps them. ``pending``, the
+    previous visit's, is counted here, before anything waits.
+    """
     b, seq_start, seq_len, h, tile, chunk, exists = _unit_place(tl.minimum(tl.maximum(unit, 0), units - 1), offsets_ptr,
                                                                 batch, search_steps, HEADS, TILE, HEAD_CHUNK)
-    in_slots = tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT
-    if (unit >= 0) & (unit < units) & exists & in_slots:
-        # O before x: Triton transposes x through shared memory (for the sequence-axis copy) as soon
-        # as it arrives, which holds back the loads issued after it.
-        rows, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-        tokens = seq_start + rows
-        channels = tl.arange(0, HEAD_DIM)
-        if DELTA:
-            o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first")
-            lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-        x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
-        _count_done(counts_ptr, pending)
+    quantizing = (unit >= 0) & exists & (tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT)
+    rows, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
+    in_seq = in_seq & quantizing
+    tokens = seq_start + rows
+    channels = tl.arange(0, HEAD_DIM)
+    if DELTA:
+        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first")
+        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+    # evict_first: the last read of x (with SEQUENCE, the first one left it in L2).
+    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if SEQUENCE:
+        a_b, a_start, a_len, a_h, a_tile, a_chunk, a_exists = _unit_place(
+            tl.minimum(ahead, units - 1), offsets_ptr, batch, search_steps, HEADS, TILE, HEAD_CHUNK)
+        folding = (ahead < units) & a_exists & (a_tile * TILE < a_len)
+        _, a_natural, a_in_seq = _tile_rows(a_start, a_len, a_tile, a_h, HEADS, HEAD_DIM, TILE)
+        a_in_seq = a_in_seq & folding
+        # evict_last: this unit is quantized a lag later, from L2.
+        x_ahead = tl.load(x_ptr + a_natural, mask=a_in_seq[:, None], other=0.0, eviction_policy="evict_last")
+        # A first look at this unit's chunk (an acquire does not hold back the loads above); the
+        # maxima are loaded after it, so they are complete when the look finds every unit counted.
+        needed = HEAD_CHUNK * tl.cdiv(seq_len, TILE)
+        ready = tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") >= needed
+        group = h // GROUP
+        amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
+    _count_done(counts_ptr, pending)
+    done = -1
+    if SEQUENCE:
+        done = _fold_maxima(x_ahead, amax_ptr + ((a_h // GROUP) * batch + a_b) * HEAD_DIM, folding, a_chunk,
+                            HEAD_DIM, NORMALIZE_TOKENS)
+    if quantizing:
         if DELTA:
             tl.store(delta_ptr + h * total + tokens, tl.sum(x * o.to(tl.float32), axis=1), mask=in_seq)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if SEQUENCE:
-            # Wait until every unit of the chunk has folded in its maxima (see _producer_kernel).
-            while tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") < HEAD_CHUNK * tl.cdiv(seq_len, TILE):
-                pass
-            group = h // GROUP
-            amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
         if FEATURE:
             byte = _token_scale_byte(x)
             data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
             tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
             tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
         if SEQUENCE:
+            if not ready:  # rare with the lag: wait until every unit of the chunk is counted
+                while tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") < needed:
+                    pass
+                amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
             byte = scale_byte_of_amax(amax.to(tl.float32, bitcast=True), False)
-            values = _sequence_axis_values(x, NORMALIZE_TOKENS)
-            data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
+            data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(byte)[None, :], INTERPRET)
             padded_rows = padded_seq_start(seq_start, b) + rows
             transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
             tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
             tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
-    else:
-        _count_done(counts_ptr, pending)
+    return done
 
 
 @triton.jit
@@ -287,42 +292,33 @@ def _producer_kernel(
     LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key).
 
     The sequence-axis scale needs the maxima of a whole sequence before any of it is quantized,
-    so with SEQUENCE every unit is visited twice: once to fold its channel maxima in
-    (:func:`_maxima_unit`), once, ``lag`` units later, to quantize (:func:`_quantize_unit`), which
-    waits until its chunk's maxima are complete. The lag covers a chunk plus the units in flight,
-    so the second visit usually finds the maxima complete and the tile still in L2. Persistent
-    programs take visits in ticket order (a counter in the workspace), maxima and quantizing visits
-    alternating. A quantizing visit only waits on maxima visits of smaller tickets; the programs
-    that took those are running, and finish and count them without waiting (a program counts a
-    maxima visit during its next visit, before that visit waits on anything). So the grid never
-    deadlocks, however many programs are resident (the interpreter runs them one after the other).
+    so with SEQUENCE each unit is read twice: a visit quantizes unit ``ticket - lag`` and folds
+    in the maxima of unit ``ticket`` (:func:`_visit`), both tiles loaded at once. The lag covers
+    the longest chunk plus two rounds of the programs' visits, so the quantizing read usually
+    finds its chunk's maxima complete and its tile still in L2 (HBM reads it once). Persistent
+    programs take tickets from a counter in the workspace, in order. A visit only waits on the
+    maxima of smaller tickets; the programs that took those are running, and fold and count them
+    without waiting (a program counts its maxima during its next visit, before that visit waits
+    on anything). So the grid never deadlocks, however many programs are resident (the
+    interpreter runs them one after the other).
     """
     units = padded // SEQUENCE_SLOT * HEADS * (SEQUENCE_SLOT // TILE)
     amax_ptr = workspace_ptr
     counts_ptr = amax_ptr + ((HEADS // GROUP) * batch * HEAD_DIM if SEQUENCE else 0)
     ticket_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
-    lag = max_slots * (SEQUENCE_SLOT // TILE) * HEAD_CHUNK + tl.num_programs(0)  # the longest chunk, and more
-    tickets = 2 * (units + lag) if SEQUENCE else units
+    lag = 0
+    if SEQUENCE:  # the longest chunk, plus two rounds of the programs' visits (one to count them)
+        lag = max_slots * (SEQUENCE_SLOT // TILE) * HEAD_CHUNK + 2 * tl.num_programs(0)
     next_claim = _claim_ticket(ticket_ptr, THREADS)
     ticket = _claimed_ticket(next_claim, THREADS)
-    pending = -1  # the chunk of this program's last maxima visit, not counted yet
-    while ticket < tickets:
+    pending = -1  # the chunk of this program's last maxima, not counted yet
+    while ticket < units + lag:
         next_claim = _claim_ticket(ticket_ptr, THREADS)  # in flight while this visit runs
-        quantizing = True
-        unit = ticket
-        if SEQUENCE:
-            quantizing = ticket % 2 == 1
-            unit = ticket // 2 - (ticket % 2) * lag
-        if quantizing:
-            _quantize_unit(
-                x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, total, padded, batch, search_steps, pending,
-                feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
-                HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS, FEATURE, SEQUENCE, DELTA, INTERPRET,
-            )
-            pending = -1
-        else:
-            pending = _maxima_unit(x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, units, batch, search_steps, pending,
-                                   HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS)
+        pending = _visit(
+            x_ptr, offsets_ptr, counts_ptr, amax_ptr, ticket - lag, ticket, units, total, padded, batch, search_steps,
+            pending, feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr,
+            lse2_ptr, HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS, FEATURE, SEQUENCE, DELTA, INTERPRET,
+        )
         ticket = _claimed_ticket(next_claim, THREADS)
     _count_done(counts_ptr, pending)
 
@@ -604,10 +600,10 @@ class ProducerConfig:
     unit); ``programs_per_sm``: persistent programs per SM on the GPU.
     """
 
-    tile: int = 64
-    num_warps: int = 8
+    tile: int = 32
+    num_warps: int = 4
     groups_side_by_side: int = 1
-    programs_per_sm: int = 2  # what fits: 128 registers per thread (ptxas, sm_90)
+    programs_per_sm: int = 3  # what fits: 157 registers per thread (ptxas, sm_90, dO with Delta)
 
     def head_chunk(self, heads: int, group: int) -> int:
         """Heads side by side: a whole number of scale groups that divides ``heads``."""

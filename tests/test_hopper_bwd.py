@@ -237,24 +237,32 @@ def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ tiles added by TMA
 
 
-def test_producer_compiles_for_sm90():
-    """The dO producer (both layouts, Delta) compiles for sm_90 with the default work split: 128-bit
-    loads, L2 hints (the maxima visit keeps its tile for the quantizing visit), e4m3 conversions,
-    and the hand-off between visits (relaxed maxima, a release count, an acquire wait)."""
+@pytest.mark.parametrize("tensor", ["dO", "Q", "V"])
+def test_producer_compiles_for_sm90(tensor):
+    """The producer compiles for sm_90 with the default work split, as the backward launches it for
+    dO (both layouts, Delta), Q (token-normalized sequence-axis copy, GQA) and V (feature axis
+    only): 128-bit loads, e4m3 conversions and, with the sequence-axis copy, L2 hints (the maxima
+    read keeps the tile for the quantizing read) and the hand-off between programs (relaxed maxima,
+    a release count, an acquire look)."""
     config = hopper_bwd.ProducerConfig()
+    options = dict(dO=dict(GROUP=1, NORMALIZE_TOKENS=False, SEQUENCE=True, DELTA=True),
+                   Q=dict(GROUP=2, NORMALIZE_TOKENS=True, SEQUENCE=True, DELTA=False),
+                   V=dict(GROUP=1, NORMALIZE_TOKENS=False, SEQUENCE=False, DELTA=False))[tensor]
     names = hopper_bwd._producer_kernel.arg_names
-    constexprs = dict(HEADS=16, HEAD_DIM=128, TILE=config.tile, HEAD_CHUNK=config.groups_side_by_side, GROUP=1,
-                      NORMALIZE_TOKENS=False, FEATURE=True, SEQUENCE=True, DELTA=True, THREADS=32 * config.num_warps,
-                      INTERPRET=False)
+    head_chunk = config.head_chunk(16, options["GROUP"])
+    constexprs = dict(HEADS=16, HEAD_DIM=128, TILE=config.tile, HEAD_CHUNK=head_chunk, FEATURE=True,
+                      THREADS=32 * config.num_warps, INTERPRET=False, **options)
     pointers = {n: ("*bf16" if n in ("x_ptr", "out_ptr") else "*fp8e4nv" if n in ("feature_ptr", "sequence_ptr")
                     else "*i32" if n in ("offsets_ptr", "workspace_ptr") else "*fp32")
                 for n in names if n.endswith("_ptr")}
     aligned = [*pointers, "total", "padded"]
     ptx = compile_ptx("jagged_attn.kernels.hopper_bwd", "_producer_kernel", _signature(names, pointers, constexprs),
                       constexprs, arch=90, num_warps=config.num_warps, aligned=aligned)
-    loads = [f"ld.global.L1::{policy}.L2::cache_hint.v4.b32" for policy in ("evict_last", "evict_first")]
-    for instruction in (*loads, "cvt.rn.satfinite.e4m3x2.f32", "atom.global.gpu.relaxed.max.s32",
-                        "atom.global.gpu.release.add.u32", "ld.global.gpu.acquire.b32"):
+    expected = ["ld.global.L1::evict_first.L2::cache_hint.v4.b32", "cvt.rn.satfinite.e4m3x2.f32"]
+    if options["SEQUENCE"]:
+        expected += ["ld.global.L1::evict_last.L2::cache_hint.v4.b32", "atom.global.gpu.relaxed.max.s32",
+                     "atom.global.gpu.release.add.u32", "ld.global.gpu.acquire.b32"]
+    for instruction in expected:
         assert instruction in ptx, instruction
 
 
