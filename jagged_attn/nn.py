@@ -22,7 +22,7 @@ class JaggedAttention(nn.Module):
     MXFP8 the attention reads (the Q/K projection GEMMs quantize in their epilogue, or with
     ``qk_norm`` the RMSNorm kernels do), so the attention does not quantize Q and K again; the
     backward still runs on their bf16 copies (quantization is straight-through). ``None`` (auto)
-    fuses on CUDA with the Hopper backends (``triton``, ``triton-precise``) when the layer computes
+    fuses on CUDA with the Hopper backends (``triton``, ``triton-fast``) when the layer computes
     in bf16 (bf16 parameters or bf16 autocast) and the shapes fit the producers (head_dim 32, 64 or
     a multiple of 128 and in-features a multiple of 8 without ``qk_norm``); ``True`` insists (a
     ``ValueError`` where it cannot), ``False`` keeps ``nn.Linear`` / ``nn.RMSNorm`` and lets the

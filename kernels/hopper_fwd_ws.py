@@ -91,14 +91,17 @@ def _load_kv(k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_row,
 @gluon.jit
 def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0, last_col, masked,
                              BLOCK_N: gl.constexpr, s_cols: gl.constexpr):
-    """Online-softmax step on one S tile: (P in (0, 256], alpha, new row max, new row sum)."""
-    s = s * (row_scale * k_tile_factor)[:, None]
+    """Online-softmax step on one S tile: (P in (0, 256], alpha, new row max, new row sum).
+
+    The factors (positive) scale S inside exp2's fma: the row maximum of the scaled tile is the
+    scaled maximum, so the raw tile needs no multiply of its own."""
+    scale = row_scale * k_tile_factor
     if masked:
         cols = col0 + gl.arange(0, BLOCK_N, layout=s_cols)
         s = gl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
-    new_max = gl.maximum(row_max, gl.ceil(gl.max(s, axis=1)))
+    new_max = gl.maximum(row_max, gl.ceil(gl.max(s, axis=1) * scale))
     alpha = gl.exp2(row_max - new_max)
-    p = gl.exp2(s - (new_max - P_STATIC_EXP)[:, None])
+    p = gl.exp2(gl.fma(s, scale[:, None], (P_STATIC_EXP - new_max)[:, None]))
     return p, alpha, new_max, row_sum * alpha + gl.sum(p, axis=1)
 
 

@@ -59,7 +59,7 @@ CONFIGS = {
     )
 }
 # The configuration for each set of axes (sorted as in AXES): measured on an H200 (1 GiB bf16,
-# 2026-11-30 02:50 UTC, docs/PERF.md), "all-8w-v8-r128" is the fastest for every set: 86%
+# 2026-11-30 01:30 UTC, docs/PERF.md), "all-8w-v8-r128" is the fastest for every set: 86%
 # (feature), 85% (sequence), 86% (both) of the device-copy bandwidth; "all-4w-v8" 78 / 82 / 79%.
 DEFAULT_CONFIGS = {
     ("feature",): CONFIGS["all-8w-v8-r128"],

@@ -300,7 +300,7 @@ FP32_SCORE_PRECISION = 2.0**-18  # exact products, fp32 sums: LSE error per unit
 @pytest.mark.parametrize("kind", ["gaussian", "outlier_channel", "heavy_tailed", "peaked"])
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
 def test_gpu_precise_scores_meet_the_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
-    """SCORES="bf16" (backend "triton-precise"): O within 1e-2 of the reference and cosine within 1e-4
+    """SCORES="bf16" (backend "triton", the default): O within 1e-2 of the reference and cosine within 1e-4
     of its on every kind; LSE within 1e-3 or, where |scores| reach the thousands, fp32's resolution."""
     run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="bf16")
     check_bounds(*run, O_TOLERANCE, COSINE_SLACK, FP32_SCORE_PRECISION)

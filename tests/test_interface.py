@@ -91,7 +91,7 @@ def test_auto_backend_on_cpu_is_reference():
 def test_kernel_backends_refuse_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(backends, "_interpreting", lambda: False)
     q, k, v, oq, ok = _inputs()
-    for name in ("triton", "triton-precise", "exact"):
+    for name in ("triton", "triton-fast", "exact"):
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             ja.jagged_attention(q, k, v, oq, ok, backend=name)
 
@@ -168,7 +168,7 @@ def test_nested_tensors_in_and_out_match_sdpa(heads_first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "triton-precise", "exact"])
+@pytest.mark.parametrize("backend", ["auto", "triton-fast", "exact"])
 def test_gpu_backends_through_the_public_api(backend):
     """jagged_attention on CUDA (auto = triton on Hopper): forward, LSE and gradients against the
     reference backend on the same inputs (Gaussian, ragged, cross, causal, GQA)."""
