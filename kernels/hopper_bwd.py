@@ -29,9 +29,9 @@ scale is kept constant along the reduction of the GEMM that reads it and applied
   power of two <= 1 when the maximum grows, never overflows, and tiles far below the maximum
   (whose contribution is as far below) are quantized on its grid.
 
-Kernels: a memory-bound producer (:func:`_producer_kernel`: one launch per tensor that reads it
-from HBM once, sequence-axis maxima and quantization included; for dO it emits both layouts,
-Delta and the LSE in log2 units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
+Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, then
+:func:`_quantize_kernel`; for dO the second pass emits both layouts, Delta and the LSE in log2
+units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
 head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
 dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
 and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
@@ -40,17 +40,14 @@ and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jagged_attn import offsets as jagged_offsets
 from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import max_length, padded_total
-from jagged_attn.scale_layout import TILE_ROWS
 
 from . import fp8
 from .layout import (
@@ -67,8 +64,8 @@ LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
 SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
 SMALLEST_NORMAL = tl.constexpr(2.0**-126)
-SEQUENCE_SLOT = tl.constexpr(TILE_ROWS)  # tokens per slot of the transposed sequence-axis copies
-INTERPRETER_PRODUCERS = 2  # persistent producer programs in the interpreter (they run one after the other)
+PRODUCER_TILE = 128  # tokens per producer program
+PRODUCER_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
 # the reference on peaked inputs and was not slower (docs/PERF.md), so it is the GPU default.
@@ -101,12 +98,14 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
-    """Token rows (inside the sequence at ``seq_start``) of ``tile``, natural offsets ``[TILE, D]``
-    of head ``h`` there, and the in-sequence mask."""
+def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    """fp32 tile ``[TILE, D]`` of the sequence at ``seq_start``, head ``h`` (zeros past its end), its
+    natural offsets, its token rows inside the sequence and the in-sequence mask."""
     rows = tile * TILE + tl.arange(0, TILE)
+    in_seq = rows < seq_len
     natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    return rows, natural, rows < seq_len
+    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    return x, natural, rows, in_seq
 
 
 @triton.jit
@@ -124,203 +123,75 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _slot_sequence(slot, offsets_ptr, batch, search_steps):
-    """The sequence that owns padded 128-token slot ``slot``: the last ``b`` whose first slot
-    (``padded_seq_start``) is at most ``slot``, in ``search_steps = batch.bit_length()`` halving steps."""
-    b = slot * 0
-    for i in range(search_steps):
-        probe = b + (1 << (search_steps - 1 - i))
-        below = probe < batch
-        first_row = tl.load(offsets_ptr + probe, mask=below, other=0).to(tl.int64)
-        b = tl.where(below & (padded_seq_start(first_row, probe) // SEQUENCE_SLOT <= slot), probe, b)
-    return b
-
-
-@triton.jit
-def _unit_place(unit, offsets_ptr, batch, search_steps, HEADS: tl.constexpr, TILE: tl.constexpr,
-                HEAD_CHUNK: tl.constexpr):
-    """Where work unit ``unit`` lies: (sequence, its first token row and length, head, tile, chunk,
-    whether the unit exists: not if ``offsets[-1]`` falls short of the rows).
-
-    Sequence ``b`` owns the units of its padded slots (``padded_seq_start`` placement: its tokens'
-    slots, then at most one more), HEADS * SEQUENCE_SLOT / TILE units per slot, so few units lie
-    past the sequences' tokens. They run chunk by chunk, a chunk being HEAD_CHUNK consecutive heads
-    of one sequence; inside a chunk, tile by tile with its heads side by side."""
-    units_per_slot = HEADS * (SEQUENCE_SLOT // TILE)
-    b = _slot_sequence(unit // units_per_slot, offsets_ptr, batch, search_steps)
+def _sequence_amax_kernel(
+    x_ptr, offsets_ptr, amax_ptr, batch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
+):
+    """Per-(head, sequence, channel) absolute maxima of :func:`_sequence_axis_values` into
+    ``amax`` (int32 bits of the fp32 values, ``[H, B, D]``, zero-initialized): non-negative
+    floats order like their bits."""
+    tile, b = tile_and_sequence(batch)
+    h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
-    first_slot = padded_seq_start(seq_start, b) // SEQUENCE_SLOT
-    slots = (padded_seq_start(seq_start + seq_len, b + 1) // SEQUENCE_SLOT - first_slot).to(tl.int32)
-    chunk_units = slots * (units_per_slot // HEADS * HEAD_CHUNK)
-    within_sequence = (unit - first_slot * units_per_slot).to(tl.int32)
-    chunk = within_sequence // chunk_units
-    within = within_sequence % chunk_units
-    head = chunk * HEAD_CHUNK + within % HEAD_CHUNK
-    exists = within_sequence < slots * units_per_slot
-    return b, seq_start, seq_len, head, within // HEAD_CHUNK, b * (HEADS // HEAD_CHUNK) + chunk, exists
+    if tile * TILE >= seq_len:
+        return
+    x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
+    amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_ptr + (h * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
 
 
 @triton.jit
-def _count_done(counts_ptr, chunk):
-    """Count a maxima visit of ``chunk`` as done (none for -1): after all its threads' atomics
-    (the barrier), which the release orders before the count."""
-    if chunk >= 0:
-        tl.debug_barrier()
-        tl.atomic_add(counts_ptr + chunk, 1, sem="release")
-
-
-@triton.jit
-def _fold_maxima(x, amax_ptr, folding, chunk, HEAD_DIM: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr):
-    """Where ``folding``: atomically fold the channel maxima of :func:`_sequence_axis_values` of the
-    tile ``x`` into ``amax[:HEAD_DIM]`` and return ``chunk`` (to count as done); else -1."""
-    done = -1
-    if folding:
-        amax_bits = tl.max(tl.abs(_sequence_axis_values(x.to(tl.float32), NORMALIZE_TOKENS)), axis=0)
-        tl.atomic_max(amax_ptr + tl.arange(0, HEAD_DIM), amax_bits.to(tl.int32, bitcast=True), sem="relaxed")
-        done = chunk
-    return done
-
-
-@triton.jit
-def _visit(
-    x_ptr, offsets_ptr, counts_ptr, amax_ptr, unit, ahead, units, total, padded, batch, search_steps, pending,
-    feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr, lse2_ptr,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
+def _quantize_kernel(
+    x_ptr, offsets_ptr,
+    feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
+    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits [H, B, D] -> e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
+    out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
+    total, padded, batch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
+    GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Write the outputs of work unit ``unit`` (see :func:`_producer_kernel`; units of a sequence's
-    last slot past its tokens write the zeros of the sequence-axis copy only) and, with SEQUENCE,
-    fold the channel maxima of unit ``ahead`` into ``amax`` (int32 bits of the fp32 values of
-    :func:`_sequence_axis_values`, ``[H / GROUP, B, D]``: non-negative floats order like their bits).
+    """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
 
-    All loads are issued first, so that one memory latency serves both units. ``ahead``'s maxima
-    are counted as done during the program's next visit (returned here), once that visit's loads
-    are on their way: the wait for this visit's atomics then overlaps them. ``pending``, the
-    previous visit's, is counted here, before anything waits.
+    FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
+    each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
+    stored transposed; with NORMALIZE_TOKENS each token is first divided by its own head_dim
+    scale (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
+    ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
+    no key).
     """
-    b, seq_start, seq_len, h, tile, chunk, exists = _unit_place(tl.minimum(tl.maximum(unit, 0), units - 1), offsets_ptr,
-                                                                batch, search_steps, HEADS, TILE, HEAD_CHUNK)
-    quantizing = (unit >= 0) & exists & (tile * TILE < tl.cdiv(seq_len, SEQUENCE_SLOT) * SEQUENCE_SLOT)
-    rows, natural, in_seq = _tile_rows(seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-    in_seq = in_seq & quantizing
+    tile, b = tile_and_sequence(batch)
+    h = tl.program_id(1)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    if tile * TILE >= seq_len:
+        return
+    x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
     tokens = seq_start + rows
     channels = tl.arange(0, HEAD_DIM)
-    if DELTA:
-        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first")
-        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-    # evict_first: the last read of x (with SEQUENCE, the first one left it in L2).
-    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if FEATURE:
+        byte = _token_scale_byte(x)
+        data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
+        tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
+        tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
     if SEQUENCE:
-        a_b, a_start, a_len, a_h, a_tile, a_chunk, a_exists = _unit_place(
-            tl.minimum(ahead, units - 1), offsets_ptr, batch, search_steps, HEADS, TILE, HEAD_CHUNK)
-        folding = (ahead < units) & a_exists & (a_tile * TILE < a_len)
-        _, a_natural, a_in_seq = _tile_rows(a_start, a_len, a_tile, a_h, HEADS, HEAD_DIM, TILE)
-        a_in_seq = a_in_seq & folding
-        # evict_last: this unit is quantized a lag later, from L2.
-        x_ahead = tl.load(x_ptr + a_natural, mask=a_in_seq[:, None], other=0.0, eviction_policy="evict_last")
-        # A first look at this unit's chunk (an acquire does not hold back the loads above); the
-        # maxima are loaded after it, so they are complete when the look finds every unit counted.
-        needed = HEAD_CHUNK * tl.cdiv(seq_len, TILE)
-        ready = tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") >= needed
         group = h // GROUP
-        amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
-    _count_done(counts_ptr, pending)
-    done = -1
-    if SEQUENCE:
-        done = _fold_maxima(x_ahead, amax_ptr + ((a_h // GROUP) * batch + a_b) * HEAD_DIM, folding, a_chunk,
-                            HEAD_DIM, NORMALIZE_TOKENS)
-    if quantizing:
-        if DELTA:
-            tl.store(delta_ptr + h * total + tokens, tl.sum(x * o.to(tl.float32), axis=1), mask=in_seq)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if FEATURE:
-            byte = _token_scale_byte(x)
-            data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
-            tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
-            tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-        if SEQUENCE:
-            if not ready:  # rare with the lag: wait until every unit of the chunk is counted
-                while tl.atomic_add(counts_ptr + chunk, 0, sem="acquire") < needed:
-                    pass
-                amax = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
-            byte = scale_byte_of_amax(amax.to(tl.float32, bitcast=True), False)
-            data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(byte)[None, :], INTERPRET)
-            padded_rows = padded_seq_start(seq_start, b) + rows
-            transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
-            tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
-            tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
-    return done
-
-
-@triton.jit
-def _claim_ticket(counter_ptr, THREADS: tl.constexpr):
-    """Take the next ticket from ``counter`` without waiting for it: the first element of a vector
-    with one element per thread (THREADS = the program's threads) takes it, and only
-    :func:`_claimed_ticket` reads it, so the atomic's latency overlaps the work in between (a
-    scalar atomic would be broadcast to the threads at once)."""
-    first = tl.arange(0, THREADS) == 0
-    return tl.atomic_add(counter_ptr + tl.zeros([THREADS], dtype=tl.int32), 1, mask=first, sem="relaxed")
-
-
-@triton.jit
-def _claimed_ticket(claim, THREADS: tl.constexpr):
-    """The ticket a :func:`_claim_ticket` vector holds (waits for its atomic)."""
-    return tl.max(tl.where(tl.arange(0, THREADS) == 0, claim, 0), axis=0)
-
-
-@triton.jit
-def _producer_kernel(
-    x_ptr, offsets_ptr,
-    workspace_ptr,  # int32, zeroed: [amax bits [H / GROUP, B, D] (with SEQUENCE), counts [B * H / HEAD_CHUNK], ticket]
-    feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
-    sequence_ptr, sequence_scale_ptr,  # e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
-    out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
-    total, padded, batch, search_steps, max_slots,  # batch.bit_length(); slots of the longest sequence
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, HEAD_CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    NORMALIZE_TOKENS: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    THREADS: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Quantize ``x [total, H, D]`` for the backward kernels in one kernel: each unit (TILE tokens
-    of a sequence, one head) is read from HBM once and writes the requested outputs.
-
-    FEATURE: per-token scale along head_dim. SEQUENCE: one scale per (sequence, channel), shared
-    by each GROUP of consecutive heads; data stored transposed, whole 128-token slots; with
-    NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels fold that
-    scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where
-    LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key).
-
-    The sequence-axis scale needs the maxima of a whole sequence before any of it is quantized,
-    so with SEQUENCE each unit is read twice: a visit quantizes unit ``ticket - lag`` and folds
-    in the maxima of unit ``ticket`` (:func:`_visit`), both tiles loaded at once. The lag covers
-    the longest chunk plus two rounds of the programs' visits, so the quantizing read usually
-    finds its chunk's maxima complete and its tile still in L2 (HBM reads it once). Persistent
-    programs take tickets from a counter in the workspace, in order. A visit only waits on the
-    maxima of smaller tickets; the programs that took those are running, and fold and count them
-    without waiting (a program counts its maxima during its next visit, before that visit waits
-    on anything). So the grid never deadlocks, however many programs are resident (the
-    interpreter runs them one after the other).
-    """
-    units = padded // SEQUENCE_SLOT * HEADS * (SEQUENCE_SLOT // TILE)
-    amax_ptr = workspace_ptr
-    counts_ptr = amax_ptr + ((HEADS // GROUP) * batch * HEAD_DIM if SEQUENCE else 0)
-    ticket_ptr = counts_ptr + batch * (HEADS // HEAD_CHUNK)
-    lag = 0
-    if SEQUENCE:  # the longest chunk, plus two rounds of the programs' visits (one to count them)
-        lag = max_slots * (SEQUENCE_SLOT // TILE) * HEAD_CHUNK + 2 * tl.num_programs(0)
-    next_claim = _claim_ticket(ticket_ptr, THREADS)
-    ticket = _claimed_ticket(next_claim, THREADS)
-    pending = -1  # the chunk of this program's last maxima, not counted yet
-    while ticket < units + lag:
-        next_claim = _claim_ticket(ticket_ptr, THREADS)  # in flight while this visit runs
-        pending = _visit(
-            x_ptr, offsets_ptr, counts_ptr, amax_ptr, ticket - lag, ticket, units, total, padded, batch, search_steps,
-            pending, feature_ptr, feature_scale_ptr, sequence_ptr, sequence_scale_ptr, out_ptr, lse_ptr, delta_ptr,
-            lse2_ptr, HEADS, HEAD_DIM, TILE, HEAD_CHUNK, GROUP, NORMALIZE_TOKENS, FEATURE, SEQUENCE, DELTA, INTERPRET,
-        )
-        ticket = _claimed_ticket(next_claim, THREADS)
-    _count_done(counts_ptr, pending)
+        amax_bits = tl.zeros([HEAD_DIM], dtype=tl.int32)
+        for j in tl.static_range(GROUP):
+            head_amax = tl.load(amax_ptr + ((group * GROUP + j) * batch + b) * HEAD_DIM + channels)
+            amax_bits = tl.maximum(amax_bits, head_amax)
+        byte = scale_byte_of_amax(amax_bits.to(tl.float32, bitcast=True), False)
+        values = _sequence_axis_values(x, NORMALIZE_TOKENS)
+        data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
+        padded_rows = padded_seq_start(seq_start, b) + rows
+        transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
+        tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
+        tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
+    if DELTA:
+        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+        tl.store(delta_ptr + h * total + tokens, tl.sum(x * o, axis=1), mask=in_seq)
+        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -429,7 +300,7 @@ def _dkdv_kernel(
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
-    Layouts as written by :func:`_producer_kernel`: natural e4m3 ``[total, H, D]`` with fp32
+    Layouts as written by :func:`_quantize_kernel`: natural e4m3 ``[total, H, D]`` with fp32
     per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
     ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
@@ -590,35 +461,8 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-@dataclass(frozen=True)
-class ProducerConfig:
-    """How :func:`_producer_kernel` splits its work; every choice writes the same bytes.
-
-    ``tile``: tokens per unit (a divisor of the 128-token slot); ``num_warps``: warps per program;
-    ``groups_side_by_side``: scale groups (GQA groups of heads) whose units interleave tile by tile
-    (reads of neighbouring heads' rows together, against a longer lag between the two visits of a
-    unit); ``programs_per_sm``: persistent programs per SM on the GPU.
-    """
-
-    tile: int = 32
-    num_warps: int = 4
-    groups_side_by_side: int = 1
-    programs_per_sm: int = 3  # what fits: 157 registers per thread (ptxas, sm_90, dO with Delta)
-
-    def head_chunk(self, heads: int, group: int) -> int:
-        """Heads side by side: a whole number of scale groups that divides ``heads``."""
-        return group * math.gcd(self.groups_side_by_side, heads // group)
-
-    def programs(self, device: torch.device) -> int:
-        if fp8.INTERPRETED:
-            return INTERPRETER_PRODUCERS
-        return self.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-              config=ProducerConfig()):
-    """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels (one launch of
-    :func:`_producer_kernel`, after zeroing its small workspace).
+def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None):
+    """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
     dividing each token by its head_dim scale with ``normalize_tokens``). With ``out`` and
@@ -635,39 +479,29 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     lse2 = torch.empty(heads, total, **f32) if with_delta else None
     if feature:
         result.feature, result.feature_scale = torch.empty(x.shape, **e4m3), torch.empty(heads, total, **f32)
-    head_chunk = config.head_chunk(heads, group)
-    # One zeroed int32 buffer (one memset): the sequence-axis scales as fp32 (zero for empty
-    # sequences, which no unit writes), then the kernel's workspace.
-    maxima = (heads // group) * batch * dim if sequence else 0
-    zeroed = torch.zeros(2 * maxima + batch * heads // head_chunk + 1, dtype=torch.int32, device=x.device)
-    workspace = zeroed[maxima:]
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, **e4m3)
-        result.sequence_scale = zeroed[:maxima].view(torch.float32).view(heads // group, batch, dim)
+        result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
     if max_len == 0:
         return result, delta, lse2
+    grid = (triton.cdiv(max_len, PRODUCER_TILE) * batch, heads)
+    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
+                 num_warps=PRODUCER_WARPS)
+    amax = torch.zeros(heads, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
+    if sequence:
+        _sequence_amax_kernel[grid](x, offsets, amax, batch, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    _producer_kernel[(config.programs(x.device),)](
-        x, offsets, workspace,
+    _quantize_kernel[grid](
+        x, offsets,
         result.feature if feature else unused, result.feature_scale if feature else unused,
-        result.sequence if sequence else unused, result.sequence_scale if sequence else unused,
+        amax if sequence else unused, result.sequence if sequence else unused,
+        result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused,
         delta if with_delta else unused, lse2 if with_delta else unused,
-        total, padded, batch, batch.bit_length(), triton.cdiv(max_len, TILE_ROWS) + 1,
-        HEADS=heads, HEAD_DIM=dim, TILE=config.tile, HEAD_CHUNK=head_chunk, GROUP=group,
-        NORMALIZE_TOKENS=normalize_tokens, FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta,
-        THREADS=32 * config.num_warps, INTERPRET=fp8.INTERPRETED, num_warps=config.num_warps,
+        total, padded, batch, GROUP=group,
+        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, INTERPRET=fp8.INTERPRETED, **shape,
     )
     return result, delta, lse2
-
-
-def _written_columns(offsets: torch.Tensor) -> torch.Tensor:
-    """int64 padded columns of the transposed sequence-axis copies that :func:`_quantize` writes:
-    each sequence's whole 128-token slots (the rest of the buffer is never written or read)."""
-    starts, lengths = offsets[:-1].tolist(), offsets.diff().tolist()
-    columns = [torch.arange(TILE_ROWS * triton.cdiv(length, TILE_ROWS)) + jagged_offsets.padded_seq_start(start, b)
-               for b, (start, length) in enumerate(zip(starts, lengths))]
-    return torch.cat(columns).to(offsets.device) if columns else torch.zeros(0, dtype=torch.int64)
 
 
 # The dQ kernel's own tile shape on the GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
