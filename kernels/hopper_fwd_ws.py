@@ -35,13 +35,13 @@ from . import layout
 from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
 from .schedule import work_list
 
-CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M)
-CONSUMERS = 2
-BLOCK_M = CONSUMER_ROWS * CONSUMERS
+CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+CONSUMERS = gl.constexpr(2)
+BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
 LN2 = gl.constexpr(math.log(2.0))
 P_STATIC_EXP = gl.constexpr(mx_format.P_STATIC_EXP)
 FINITE_FLOOR = gl.constexpr(-1.0e30)
-
+PV_KEY_DIMS = gl.constexpr(layout.pv_key_dims())
 
 SCORE_MODES = ("fp8", "bf16")
 HEAD_DIMS = (64, 128)
@@ -60,13 +60,11 @@ def tile_config(head_dim: int, scores: str = "fp8") -> dict:
 def _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(sequence, first row of the program's tile, q start, len_q, k start, len_k, KV tiles to stream)."""
     seq = gl.load(work + 2 * slot)
-    row0 = gl.load(work + 2 * slot + 1) * (2 * 64)
-    q_start = gl.load(offsets_q + seq).to(gl.int64)
-    len_q = (gl.load(offsets_q + seq + 1) - q_start).to(gl.int32)
-    k_start = gl.load(offsets_k + seq).to(gl.int64)
-    len_k = (gl.load(offsets_k + seq + 1) - k_start).to(gl.int32)
+    row0 = gl.load(work + 2 * slot + 1) * (CONSUMERS * CONSUMER_ROWS)
+    q_start, len_q = layout.sequence_span(offsets_q, seq)
+    k_start, len_k = layout.sequence_span(offsets_k, seq)
     if CAUSAL:
-        last_row = gl.minimum(row0 + 2 * 64, len_q) - 1
+        last_row = gl.minimum(row0 + CONSUMERS * CONSUMER_ROWS, len_q) - 1
         col_end = gl.minimum(gl.maximum(last_row + 1 + len_k - len_q, 0), len_k)
     else:
         col_end = len_k
@@ -110,7 +108,7 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
     """P (fp32, S's accumulator layout) as the fp8 A operand of P·V, with no data movement: the
     column bits are reordered as ``layout.pv_key_slot`` orders the keys of V^T."""
     keys = p.to(gl.float8e4nv).reshape([p.shape[0], 2, 2, 2, 2, 2, 2, 2])
-    keys = keys.permute([0, 1, 2, 3, 5, 6, 4, 7]).reshape([p.shape[0], p.shape[1]])
+    keys = keys.permute(PV_KEY_DIMS.value).reshape([p.shape[0], p.shape[1]])
     return gl.convert_layout(keys, p_layout, assert_trivial=True)
 
 
@@ -119,11 +117,10 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
              kv_empty, seq, head, kv_head, rows0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row,
              n_tiles, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr):
-    """One consumer warpgroup: 64 query rows against the streamed KV tiles, then its rows of O and LSE.
-
-    The MMAs are software-pipelined (FlashAttention-3's intra-warpgroup overlap): S of tile i is
-    issued together with P·V of tile i - 1, and the softmax of tile i runs while P·V computes."""
-    ROWS: gl.constexpr = 64
+    """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
+    LSE. Each tile's MMAs are waited for at once: FlashAttention-3's intra-warpgroup pipelining and
+    ping-pong measured slower here (the consumers are issue bound, docs/PERF.md v6)."""
+    ROWS: gl.constexpr = CONSUMER_ROWS
     S_K: gl.constexpr = 16 if EXACT else 32
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, S_K])
@@ -215,19 +212,19 @@ def _attention_forward_kernel(
     q_factor_row = head.to(gl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
     k_factor_row = kv_head.to(gl.int64) * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, CONSUMER_ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D, BLOCK_N], vt_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
-        mbarrier.init(kv_empty.index(stage), count=2)
+        mbarrier.init(kv_empty.index(stage), count=CONSUMERS)
     fence_async_shared()
 
     EXACT: gl.constexpr = SCORES == "bf16"

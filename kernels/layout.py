@@ -20,6 +20,14 @@ def pv_key_slot(key):
 
 
 pv_key_slot_jit = triton.jit(pv_key_slot)
+PV_KEY_BITS = 7  # a 128-key tile
+
+
+def pv_key_dims() -> list[int]:
+    """``pv_key_slot`` as a dimension order: a ``[rows, 128]`` tile reshaped to ``[rows, 2, ..., 2]``
+    (key bit 6 first) and permuted by this order holds, at column ``pv_key_slot(c)``, column ``c``."""
+    source_bit = {pv_key_slot(1 << bit).bit_length() - 1: bit for bit in range(PV_KEY_BITS)}
+    return [0] + [PV_KEY_BITS - source_bit[bit] for bit in reversed(range(PV_KEY_BITS))]
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
 rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)
