@@ -26,7 +26,7 @@ import torch
 
 from .backends import get_backend
 from .mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
-from .ops import attention_backward_op
+from .ops import attention_gradients, save_for_attention_backward
 from .scale_layout import tiled_bytes
 
 
@@ -151,18 +151,13 @@ def _(q, k, v, q_data, q_scales, k_data, k_scales, offsets_q, offsets_k, causal,
 
 def _attention_setup_context(ctx, inputs, output):
     q, k, v, _, _, _, _, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
-    ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic = causal, softmax_scale, backend, deterministic
+    ctx.mark_non_differentiable(output[1])
+    save_for_attention_backward(ctx, q, k, v, *output, offsets_q, offsets_k, causal, softmax_scale, backend,
+                                deterministic)
 
 
 def _attention_backward(ctx, dout, dlse):
-    q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(
-        dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic
-    )
-    return dq, dk, dv, *([None] * 10)
+    return *attention_gradients(ctx, dout), *([None] * 10)
 
 
 prequantized_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)

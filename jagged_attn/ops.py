@@ -47,21 +47,31 @@ def _(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, back
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis = inputs
-    out, lse = output
+def save_for_attention_backward(ctx, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, backend,
+                                deterministic):
+    """What :func:`attention_gradients` needs, saved on an autograd ``ctx`` (by every attention op)."""
     ctx.save_for_backward(q, k, v, out, lse, offsets_q, offsets_k)
     ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic = causal, softmax_scale, backend, deterministic
 
 
-def _backward(ctx, dout, dlse):
+def attention_gradients(ctx, dout):
+    """(dq, dk, dv) from ``jagged_attn::attention_backward`` on what the forward saved."""
     q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
-    if dlse is not None and not values_unavailable(dlse) and bool((dlse != 0).any()):
-        raise NotImplementedError("gradients through the returned LSE are not supported")
-    dq, dk, dv = attention_backward_op(
+    return attention_backward_op(
         dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis = inputs
+    save_for_attention_backward(ctx, q, k, v, *output, offsets_q, offsets_k, causal, softmax_scale, backend,
+                                deterministic)
+
+
+def _backward(ctx, dout, dlse):
+    if dlse is not None and not values_unavailable(dlse) and bool((dlse != 0).any()):
+        raise NotImplementedError("gradients through the returned LSE are not supported")
+    return *attention_gradients(ctx, dout), None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
