@@ -288,9 +288,9 @@ DEFAULT_CONFIGS = {
 }
 
 
-def default_config(axes, defaults=DEFAULT_CONFIGS) -> TileConfig:
-    """The configuration ``defaults`` (a dict like ``DEFAULT_CONFIGS``) gives a set of axes, in any order."""
-    return defaults[tuple(axis for axis in AXES if axis in axes)]
+def default_config(axes) -> TileConfig:
+    """The configuration ``DEFAULT_CONFIGS`` gives a set of axes, in any order."""
+    return DEFAULT_CONFIGS[tuple(axis for axis in AXES if axis in axes)]
 
 
 def quantize_into(values, offsets, outputs: dict, rounding: str, nonfinite=None, config: TileConfig | None = None):

@@ -58,14 +58,10 @@ CONFIGS = {
         TileConfig("all-4w-v8-r168", None, 4, 8, max_registers=168),
     )
 }
-# The configuration for each set of axes (sorted as in AXES): measured on an H200 (1 GiB bf16,
-# 2026-11-30 01:30 UTC, docs/PERF.md), "all-8w-v8-r128" is the fastest for every set: 86%
-# (feature), 85% (sequence), 86% (both) of the device-copy bandwidth; "all-4w-v8" 78 / 82 / 79%.
-DEFAULT_CONFIGS = {
-    ("feature",): CONFIGS["all-8w-v8-r128"],
-    ("sequence",): CONFIGS["all-8w-v8-r128"],
-    ("feature", "sequence"): CONFIGS["all-8w-v8-r128"],
-}
+# Measured on an H200 (1 GiB bf16, 2026-11-30 01:30 UTC, docs/PERF.md), the fastest for every set
+# of axes: 86% (feature), 85% (sequence), 86% (both) of the device-copy bandwidth; "all-4w-v8"
+# 78 / 82 / 79%.
+DEFAULT_CONFIG = CONFIGS["all-8w-v8-r128"]
 
 
 @triton.jit
@@ -122,9 +118,9 @@ def rms_norm_quantize_into(x, weight, offsets, outputs: dict, normalized, rstd, 
     """Kernel launch only (no checks): contiguous ``x [total, H, D]``, ``weight [D]``; ``outputs``: axis ->
     (data, scales) from ``quantize.empty_outputs``; ``normalized`` like ``x`` or None; ``rstd``
     fp32 ``[total, H]``; ``nonfinite``: optional fp32 ``[1]`` holding 0, set to NaN/Inf if the
-    normalized values hold any; ``config``: a layout with all D channels per program (None: the
-    default for those axes)."""
-    config = config or quantize.default_config(outputs, DEFAULT_CONFIGS)
+    normalized values hold any; ``config``: a layout with all D channels per program (None:
+    ``DEFAULT_CONFIG``)."""
+    config = config or DEFAULT_CONFIG
     if config.channels is not None:
         raise ValueError(f"config {config.name!r}: RMSNorm needs all D channels of a token in one program")
     quantize.launch_per_tile(

@@ -80,7 +80,7 @@ def main():
     rows = []
     for axes in AXES_SETS:
         name = "+".join(axes)
-        default = qk.default_config(axes, rq.DEFAULT_CONFIGS)
+        default = rq.DEFAULT_CONFIG
         outputs = {axis: qk.empty_outputs(x, offsets, axis) for axis in axes}
         normalized, rstd = torch.empty_like(x), torch.empty(x.shape[:2], device="cuda")
         rq.rms_norm_quantize_into(x, weight, offsets, outputs, normalized, rstd, eps=EPS, rounding="rceil",

@@ -112,9 +112,8 @@ def test_every_config_matches_reference(config):
     check_against_torch(x, weight, offsets, mxfp8.AXES, "rceil", config)
 
 
-def test_every_set_of_axes_has_a_default_config():
-    for axes in (("feature",), ("sequence",), ("feature", "sequence"), ("sequence", "feature")):
-        assert qk.default_config(axes, rq.DEFAULT_CONFIGS) in rq.CONFIGS.values()
+def test_the_default_config_is_a_listed_one():
+    assert rq.DEFAULT_CONFIG in rq.CONFIGS.values()
 
 
 def test_configs_that_split_channels_are_refused():
