@@ -49,12 +49,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import max_length, padded_total
 
-from . import fp8
+from . import fp8, hopper_bwd_ws
 from .layout import (
     byte_ratio,
     padded_seq_start,
+    pv_key_dims,
     scale_byte_of_amax,
     scale_factor,
+    scale_inverse,
     scale_value,
     sequence_span,
     tile_and_sequence,
@@ -63,8 +65,8 @@ from .layout import (
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
 SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
-SMALLEST_NORMAL = tl.constexpr(2.0**-126)
-PRODUCER_TILE = 128  # tokens per producer program
+PRODUCER_TILE = 128  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
+PV_KEY_DIMS = tl.constexpr(tuple(pv_key_dims()))
 PRODUCER_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
@@ -74,12 +76,6 @@ HEAD_DIMS = (64, 128)
 
 
 # ----------------------------------------------------------------------------- scale helpers
-
-
-@triton.jit
-def _inverse(scale):
-    """``1 / scale`` for power-of-two scales (exact), 0 where the scale is 0 (an all-zero token)."""
-    return tl.where(scale > 0, 1.0 / tl.maximum(scale, SMALLEST_NORMAL), 0.0)
 
 
 @triton.jit
@@ -149,14 +145,15 @@ def _quantize_kernel(
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PV_ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
 
     FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed; with NORMALIZE_TOKENS each token is first divided by its own head_dim
-    scale (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
+    stored transposed (with PV_ORDER, tokens in ``layout.pv_key_slot`` order, as the Gluon kernel
+    reads them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the
+    kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key).
     """
@@ -184,7 +181,11 @@ def _quantize_kernel(
         data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
         padded_rows = padded_seq_start(seq_start, b) + rows
         transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
-        tl.store(sequence_ptr + transposed, tl.trans(data))  # the whole slot: zeros past the end
+        data = tl.trans(data)
+        if PV_ORDER:  # the tile is one whole 128-token slot: reorder its columns in registers
+            data = tl.reshape(tl.permute(tl.reshape(data, [HEAD_DIM, 2, 2, 2, 2, 2, 2, 2]), PV_KEY_DIMS.value),
+                              [HEAD_DIM, TILE])
+        tl.store(sequence_ptr + transposed, data)  # the whole slot: zeros past the end
         tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
     if DELTA:
         o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
@@ -276,7 +277,7 @@ def _dkdv_step(
     dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
     if ACCUMULATE_DQ:
         dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * scale_value(ds_byte))[None, :]
-        dq = dq * _inverse(q_scale)[:, None]
+        dq = dq * scale_inverse(q_scale)[:, None]
         if TMA_REDUCE:  # one bulk reduce-add of the tile; rows past len_q add zeros
             dq_desc.atomic_add([dq_row + m_start.to(tl.int32), dq_col], dq)
         else:
@@ -359,7 +360,7 @@ def _dkdv_kernel(
                 )
     dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (scale_value(ds_byte) * softmax_scale)
     dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
-    dk = dk_acc * dk_scale[None, :] * _inverse(k_scale)[:, None]
+    dk = dk_acc * dk_scale[None, :] * scale_inverse(k_scale)[:, None]
     tl.store(dk_ptr + kv_natural, dk.to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
     tl.store(dv_ptr + kv_natural, (dv_acc * dv_scale[None, :]).to(dv_ptr.dtype.element_ty), mask=n_in[:, None])
 
@@ -446,8 +447,32 @@ def _dq_kernel(
             )
     k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)
     dq_scale = k_channel_scale * (scale_value(ds_byte) * softmax_scale)
-    dq = dq_acc * dq_scale[None, :] * _inverse(q_scale)[:, None]
+    dq = dq_acc * dq_scale[None, :] * scale_inverse(q_scale)[:, None]
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
+
+
+# ----------------------------------------------------------------------------- dQ of the Gluon kernel
+
+
+@triton.jit
+def _finish_dq_kernel(
+    dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, total, batch, softmax_scale,
+    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+):
+    """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
+    (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
+    channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
+    tile, b = tile_and_sequence(batch)
+    h = tl.program_id(1)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    if tile * TILE >= seq_len:
+        return
+    sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
+    kv_head = h // (HEADS_Q // HEADS_KV)
+    channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM)) * softmax_scale
+    token_scale = tl.load(q_scale_ptr + h * total + seq_start + rows, mask=in_seq, other=0.0)
+    dq = sums * channel_scale[None, :] * scale_inverse(token_scale)[:, None]
+    tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=in_seq[:, None])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -461,11 +486,13 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None):
+def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
+              pv_order=False):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
-    dividing each token by its head_dim scale with ``normalize_tokens``). With ``out`` and
+    dividing each token by its head_dim scale with ``normalize_tokens``); ``pv_order`` stores the
+    transposed tokens in ``layout.pv_key_slot`` order. With ``out`` and
     ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     """
     total, heads, dim = x.shape
@@ -499,7 +526,7 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
         out if with_delta else unused, lse if with_delta else unused,
         delta if with_delta else unused, lse2 if with_delta else unused,
         total, padded, batch, GROUP=group,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, INTERPRET=fp8.INTERPRETED, **shape,
+        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, PV_ORDER=pv_order, INTERPRET=fp8.INTERPRETED, **shape,
     )
     return result, delta, lse2
 
@@ -508,11 +535,17 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
 GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
+# The Triton dK/dV kernel's GPU-tuned tiles (what ran on GPUs before ``hopper_bwd_ws``; kept for comparisons).
+GPU_TRITON_CONFIG = dict(kernel="triton", block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8,
+                         num_stages=3)
+
+
 def _default_config(device: torch.device) -> dict:
-    """Tile sizes: GPU-tuned on sm_90, small ones for the CPU interpreter."""
+    """The Gluon kernel on GPUs it serves; elsewhere the Triton kernels, small tiles for the CPU interpreter."""
     if device.type == "cuda":
-        return dict(block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8, num_stages=3)
-    return dict(block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4, num_stages=1)
+        return dict(kernel="gluon")
+    return dict(kernel="triton", block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4,
+                num_stages=1)
 
 
 def _check_inputs(dout, q, k, v, out, lse):
@@ -532,7 +565,7 @@ def _check_inputs(dout, q, k, v, out, lse):
 class _Prepared:
     """The producers' outputs for one backward call, plus the sizes the launches need."""
 
-    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k):
+    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=False):
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
         self.total_q, self.total_k = q.shape[0], k.shape[0]
@@ -543,11 +576,11 @@ class _Prepared:
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
         self.q, _, _ = _quantize(q, offsets_q, self.max_len_q, feature=True, sequence=True, normalize_tokens=True,
-                                 group=group)
+                                 group=group, pv_order=pv_order)
         self.k, _, _ = _quantize(k, offsets_k, self.max_len_k, feature=True, sequence=True, normalize_tokens=True)
         self.v, _, _ = _quantize(v, offsets_k, self.max_len_k, feature=True, sequence=False)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, self.max_len_q, feature=True, sequence=True,
-                                                   group=group, out=out, lse=lse)
+                                                   group=group, out=out, lse=lse, pv_order=pv_order)
 
     def shape_constants(self, block_m, block_n, causal, precise_scores, num_warps, num_stages):
         return dict(HEADS_Q=self.heads_q, HEADS_KV=self.heads_kv, HEAD_DIM=self.dim, BLOCK_M=block_m,
@@ -585,10 +618,39 @@ def _launch_dq(prep, dq, *, softmax_scale, tma_reduce, block_m, block_n, **shape
     )
 
 
+def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, deterministic):
+    """:func:`_backward_into` with ``hopper_bwd_ws``'s kernel for dK, dV (and dQ unless deterministic)."""
+    if prep.max_len_k > 0:
+        # BLOCK_M spare rows: the kernel adds its dQ tiles unmasked; rows past a sequence add zeros.
+        dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, prep.heads_q, prep.dim,
+                               dtype=torch.float32, device=dq.device)
+        hopper_bwd_ws.launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal,
+                             accumulate_dq=not deterministic)
+    if prep.max_len_q == 0:
+        return
+    if deterministic:
+        _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, tma_reduce=False,
+                   **GPU_DQ_TILES)
+    elif prep.max_len_k > 0:
+        grid = (triton.cdiv(prep.max_len_q, PRODUCER_TILE) * prep.batch, prep.heads_q)
+        _finish_dq_kernel[grid](dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q,
+                                prep.total_q, prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv,
+                                HEAD_DIM=prep.dim, TILE=PRODUCER_TILE, num_warps=PRODUCER_WARPS)
+    else:
+        dq.zero_()
+
+
 def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
-                   deterministic, **config):
-    """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`."""
+                   deterministic, kernel="triton", **config):
+    """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`.
+    ``kernel``: "gluon" (``hopper_bwd_ws``, no further config) or "triton" (tile ``config``)."""
     if offsets_q.numel() == 1:
+        return
+    if kernel == "gluon":
+        if config:
+            raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
+        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
+        _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
     launch = dict(softmax_scale=softmax_scale, causal=causal, **config)

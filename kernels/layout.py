@@ -15,7 +15,9 @@ padded_seq_start = triton.jit(offsets.padded_seq_start)
 def pv_key_slot(key):
     """Column of a key (its index within a 128-key tile) in the V^T copy that ``hopper_fwd_ws``
     reads: key bits 1, 2, 3 move to 2, 3, 1. In that order the registers of P as the S wgmma's
-    accumulator are, unchanged, the A operand of the P·V wgmma (no shuffles)."""
+    accumulator are, unchanged, the A operand of the P·V wgmma (no shuffles). The map stays
+    inside each 16-key group, so it serves any multiple of 16 keys as reduction: the backward
+    (``hopper_bwd_ws``) stores its 64-token Q^T and dO^T tiles in this order too."""
     return (key & ~0xE) | ((key & 0x2) << 1) | ((key & 0x4) << 1) | ((key >> 2) & 0x2)
 
 
@@ -23,11 +25,12 @@ pv_key_slot_jit = triton.jit(pv_key_slot)
 PV_KEY_BITS = 7  # a 128-key tile
 
 
-def pv_key_dims() -> list[int]:
-    """``pv_key_slot`` as a dimension order: a ``[rows, 128]`` tile reshaped to ``[rows, 2, ..., 2]``
-    (key bit 6 first) and permuted by this order holds, at column ``pv_key_slot(c)``, column ``c``."""
-    source_bit = {pv_key_slot(1 << bit).bit_length() - 1: bit for bit in range(PV_KEY_BITS)}
-    return [0] + [PV_KEY_BITS - source_bit[bit] for bit in reversed(range(PV_KEY_BITS))]
+def pv_key_dims(bits: int = PV_KEY_BITS) -> list[int]:
+    """``pv_key_slot`` as a dimension order: a ``[rows, 2^bits]`` tile reshaped to ``[rows, 2, ..., 2]``
+    (key bit ``bits - 1`` first) and permuted by this order holds, at column ``pv_key_slot(c)``,
+    column ``c``."""
+    source_bit = {pv_key_slot(1 << bit).bit_length() - 1: bit for bit in range(bits)}
+    return [0] + [bits - source_bit[bit] for bit in reversed(range(bits))]
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
 rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)
@@ -86,6 +89,12 @@ def scale_value(byte):
     """Exact fp32 ``2^(byte - 127)``, the value of an E8M0 byte in [0, 254] (byte 0: subnormal 2^-127)."""
     bits = tl.where(byte > 0, byte << 23, 0x00400000)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_inverse(scale):
+    """``1 / scale`` for fp32 power-of-two scales (exact), 0 where the scale is 0 (an all-zero token)."""
+    return tl.where(scale > 0, 1.0 / tl.maximum(scale, 2.0**-126), 0.0)
 
 
 @triton.jit

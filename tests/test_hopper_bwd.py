@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from jagged_attn.kernels import hopper_bwd
+from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws, layout
 from jagged_attn.mxfp8 import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.reference import reference_backward, reference_forward
@@ -145,6 +145,73 @@ def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ tiles added by TMA
 
 
+def test_pv_order_stores_transposed_tokens_in_pv_key_slot_order():
+    """The producer's ``pv_order`` copy (what the Gluon kernel reads) is the natural transposed copy
+    with each 128-token slot's columns in ``layout.pv_key_slot`` order; everything else equal."""
+    q, _, _, _, offsets_q, _ = make_inputs([0, 1, 31, 129], [1, 1, 1, 1], 4, 2, 64)
+    natural, _, _ = hopper_bwd._quantize(q, offsets_q, 129, feature=True, sequence=True, normalize_tokens=True, group=2)
+    reordered, _, _ = hopper_bwd._quantize(q, offsets_q, 129, feature=True, sequence=True, normalize_tokens=True,
+                                           group=2, pv_order=True)
+    columns = torch.arange(128, natural.sequence.shape[2])  # the empty sequence 0's slot is never written or read
+    slots = columns // 128 * 128 + layout.pv_key_slot(columns % 128)
+    assert torch.equal(reordered.sequence[..., slots].view(torch.uint8), natural.sequence[..., 128:].view(torch.uint8))
+    for name in ("feature", "feature_scale", "sequence_scale"):
+        a, b = getattr(natural, name), getattr(reordered, name)
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_finish_dq_pass_applies_channel_and_token_scales():
+    """``_finish_dq_kernel``: dQ = sums x K^T's (sequence, channel) scale x softmax scale / the
+    query's token scale, for every token of every sequence (poisoned output)."""
+    lengths_q, lengths_k, heads_q, heads_kv, dim = [3, 0, 130], [5, 2, 7], 4, 2, 64
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
+    sums = torch.randn(q.shape[0] + 64, heads_q, dim)
+    dq = torch.full_like(q, math.nan)
+    grid = (3 * 3, heads_q)
+    hopper_bwd._finish_dq_kernel[grid](sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, q.shape[0], 3,
+                                       0.125, HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
+    kv_head = torch.arange(heads_q) // (heads_q // heads_kv)
+    channel = prep.k.sequence_scale[kv_head][:, seq].permute(1, 0, 2)  # [total, Hq, D]
+    expected = sums[: q.shape[0]] * channel * 0.125 / prep.q.feature_scale.t()[..., None]
+    assert torch.allclose(dq, expected, rtol=1e-6, atol=0)
+
+
+def _gluon_descriptor_type(block):
+    from triton.experimental.gluon import language as gl
+
+    layout_repr = repr(gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+    return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{layout_repr}>"
+
+
+@pytest.mark.parametrize("dim, causal, accumulate_dq", [(128, True, True), (64, False, False)])
+def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq):
+    """FP8 wgmma for all five GEMMs (P^T and dS^T straight from registers), a loader warp and two
+    consumer warpgroups (setmaxnreg), TMA loads; dQ by atomics only when accumulated."""
+    from triton.experimental.gluon import language as gl
+
+    feature, transposed = _gluon_descriptor_type([64, dim]), _gluon_descriptor_type([dim, 64])
+    signature = dict(q_desc=feature, qt_desc=transposed, k_desc=feature, kt_desc=transposed, v_desc=feature,
+                     do_desc=feature, dot_desc=transposed)
+    row_layout = repr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+    signature["rows_desc"] = f"tensordesc<fp32[64],{row_layout}>"
+    signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale", "dq")})
+    signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", total_q="i32",
+                     total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")
+    constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
+                      **hopper_bwd_ws.tile_config(dim))
+    signature.update({name: "constexpr" for name in constexprs})
+    ptx = compile_ptx("jagged_attn.kernels.hopper_bwd_ws", "_attention_backward_kernel", signature, constexprs,
+                      arch=90, gluon=True)
+    wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
+    assert wgmma == {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in (64, dim)}
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
+    assert ("red.global.v4.f32.add" in ptx) == accumulate_dq  # dQ by vector reduce-adds
+
+
 # ----------------------------------------------------------------------------- GPU
 
 KINDS = ("gaussian", "outlier", "heavy", "peaked")
@@ -175,21 +242,51 @@ def test_gpu_accuracy(kind, causal):
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
     reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
     exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
-    # (deterministic, precise_scores, asserted): the fast-accumulation variant is only reported.
-    variants = [(False, True, True), (True, True, True), (False, False, False)]
+    # (deterministic, config, asserted): the Gluon kernel (the GPU default) is asserted, the Triton
+    # kernel's former GPU configuration only reported.
+    variants = [(False, dict(kernel="gluon"), True), (True, dict(kernel="gluon"), True),
+                (False, hopper_bwd.GPU_TRITON_CONFIG, False)]
     failures = []
-    for deterministic, precise, asserted in variants:
-        config = dict(hopper_bwd._default_config(q.device), precise_scores=precise)
+    for deterministic, config, asserted in variants:
         got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic, **config)
         for name, g, r, e in zip(("dq", "dk", "dv"), got, reference, exact):
-            print(f"[bwd-accuracy] {kind:8s} causal={causal:d} det={deterministic:d} precise={precise:d} {name}: "
+            print(f"[bwd-accuracy] {kind:8s} causal={causal:d} det={deterministic:d} {config['kernel']:6s} {name}: "
                   f"rel-L2 vs reference "
                   f"{rel_l2(g, r):.3e}; cosine vs fp64 {cosine(g, e):.6f} (reference {cosine(r, e):.6f}); "
                   f"rel-L2 vs fp64 {rel_l2(g, e):.3e} (reference {rel_l2(r, e):.3e})")
             if asserted and not (torch.isfinite(g).all() and rel_l2(g, r) < REL_L2_VS_REFERENCE
                                  and cosine(g, e) >= cosine(r, e) - COSINE_SLACK):
-                failures.append(f"{name} det={deterministic} precise={precise}")
+                failures.append(f"{name} det={deterministic} {config['kernel']}")
     assert not failures, failures
+
+
+GLUON_CASES = [
+    # lengths_q, lengths_k, heads_q, heads_kv, dim
+    ([0, 1, 31, 32, 33, 127, 128, 129, 700], [0, 1, 31, 32, 33, 127, 128, 129, 700], 4, 4, 128),  # self
+    ([1, 31, 129, 300, 0], [5, 200, 129, 64, 7], 8, 2, 128),  # cross, GQA
+    ([64, 257, 1000], [300, 257, 90], 2, 1, 64),  # MQA, d64
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"q{len(c[0])}-h{c[2]}/{c[3]}-d{c[4]}")
+def test_gpu_gluon_kernel_matches_the_triton_kernel(case, causal):
+    """The Gluon kernel (GPU default) and the Triton kernels (what CI interprets) on ragged lengths
+    around the tile sizes: every element written (NaN-poisoned buffers), equal up to accumulation order."""
+    lengths_q, lengths_k, heads_q, heads_kv, dim = case
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, device="cuda",
+                                                      dtype=torch.bfloat16)
+    scale = dim**-0.5
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+    triton_grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, True,
+                                **hopper_bwd.GPU_TRITON_CONFIG)
+    for deterministic in (False, True):
+        grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic,
+                             kernel="gluon")
+        for name, g, t in zip(("dq", "dk", "dv"), grads, triton_grads):
+            assert torch.isfinite(g).all(), f"{name} det={deterministic}: unwritten (NaN) elements"
+            assert rel_l2(g, t) < 5e-3, f"{name} det={deterministic}: rel-L2 {rel_l2(g, t):.3e} vs Triton"
 
 
 @pytest.mark.gpu
@@ -237,13 +334,7 @@ def _ours(q, k, v, dout, out, lse, offsets_q, offsets_k, **options):
     hopper_bwd._backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, **options)
 
 
-TIMING_CONFIGS = [  # the GPU default first
-    dict(block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8, num_stages=3),
-    dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=True, num_warps=8, num_stages=3),
-    dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=False, num_warps=8, num_stages=3),
-    dict(block_m=64, block_n=128, precise_scores=False, tma_reduce=True, num_warps=8, num_stages=2),
-    dict(block_m=64, block_n=64, precise_scores=False, tma_reduce=True, num_warps=4, num_stages=2),
-]
+TIMING_CONFIGS = [dict(kernel="gluon"), hopper_bwd.GPU_TRITON_CONFIG]  # the GPU default first
 
 
 @pytest.mark.gpu
@@ -269,18 +360,19 @@ def test_gpu_timing():
         for deterministic, config in runs:
             ms = _median_ms(_ours, *problem, causal=causal, softmax_scale=scale, deterministic=deterministic, **config)
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
-        # Where the default's time goes: producers, dK/dV kernel with and without dQ, the dQ kernel.
-        launch = dict(TIMING_CONFIGS[0], softmax_scale=scale, causal=causal)
-        prep = hopper_bwd._Prepared(*problem)
+        # Where the default's time goes: producers, the Gluon kernel with and without dQ, the dQ kernel.
+        prep = hopper_bwd._Prepared(*problem, pv_order=True)
         dq_accum, dk, dv = torch.zeros(q.shape, device="cuda"), torch.empty_like(k), torch.empty_like(v)
+        launch = dict(softmax_scale=scale, causal=causal)
         parts = [
-            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem)),
-            ("dK/dV kernel + dQ reduce", _median_ms(hopper_bwd._launch_dkdv, prep, dq_accum, dk, dv,
-                                                    accumulate_dq=True, **launch)),
-            ("dK/dV kernel, no dQ", _median_ms(hopper_bwd._launch_dkdv, prep, dq_accum, dk, dv,
-                                               accumulate_dq=False, **launch)),
+            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, pv_order=True)),
+            ("Gluon dK/dV kernel + dQ reduce-adds", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
+                                                               accumulate_dq=True, **launch)),
+            ("Gluon dK/dV kernel, no dQ", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
+                                                     accumulate_dq=False, **launch)),
             ("dQ kernel (deterministic path)", _median_ms(hopper_bwd._launch_dq, prep, torch.empty_like(q),
-                                                          **dict(launch, **hopper_bwd.GPU_DQ_TILES))),
+                                                          precise_scores=True, tma_reduce=False,
+                                                          **launch, **hopper_bwd.GPU_DQ_TILES)),
         ]
         rows += [(f"  part causal={causal:d}: {name}", ms, 0.0) for name, ms in parts]
         del dense, cudnn_out

@@ -1,0 +1,410 @@
+"""Varlen MXFP8 attention backward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
+
+Each program owns a 128-key tile of one (sequence, KV head). A loader warp streams, for every
+64-row query tile of every query head of the KV head's group, the query-side operands into a
+ring of shared-memory stages with TMA: Q and dO on the feature axis, Q^T and dO^T on the sequence
+axis. Two consumer warpgroups, 64 keys each, run per stage::
+
+    S^T = K Q^T,  dP^T = V dO^T                (FP8 wgmma, fp32 in registers)
+    P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta)
+    dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
+    dQ_partial = dS K                          (dS through shared memory; fp32 atomics)
+
+P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
+shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
+order (the forward's trick for V^T, here along queries). Every wgmma starts from a zero
+accumulator and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which would
+bias small late tiles against a large running dK / dV).
+
+Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
+producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence,
+channel) scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided
+by each token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a
+running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from jagged_attn import mx_format
+from jagged_attn.offsets import padded_rows_of_tokens, sequence_ids
+
+from . import layout
+from .schedule import work_list
+
+KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
+CONSUMERS = gl.constexpr(2)
+BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per program
+BLOCK_M = gl.constexpr(64)  # queries per stage
+LOG2E = gl.constexpr(1.0 / math.log(2.0))
+P_SCALE = gl.constexpr(2.0**mx_format.P_STATIC_EXP)
+SMALLEST_NORMAL_BYTE = gl.constexpr(1)  # E8M0 byte of 2^-126: where the running dS scale starts
+QUERY_DIMS = gl.constexpr(layout.pv_key_dims(BLOCK_M.value.bit_length() - 1))
+# Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these).
+Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
+ROW_VECTORS = gl.constexpr(4)
+HEAD_DIMS = (64, 128)
+
+
+def tile_config(head_dim: int) -> dict:
+    """Pipeline depth and the registers of the loader warp and the consumer warpgroups."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"no configuration for head_dim={head_dim}")
+    return dict(STAGES=2, LOADER_REGS=24, CONSUMER_REGS=240)
+
+
+@gluon.jit
+def _query_tile(step, first_head, m_lo, tiles_per_head):
+    """(query head, first query row) of loop step ``step``: heads outer, query tiles inner."""
+    return first_head + step // tiles_per_head, m_lo + (step % tiles_per_head) * BLOCK_M
+
+
+@gluon.jit
+def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transposed_smem, row_smem, ready, stage,
+               head, row, column, padded_q, FIRST_VECTOR: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr):
+    """One query tile of a tensor on both axes (feature ``[BLOCK_M, D]``, transposed ``[D, BLOCK_M]``)
+    and two of its per-query vectors into ``stage``, all signalled on ``ready``."""
+    mbarrier.expect(ready, feature_desc.block_type.nbytes + transposed_desc.block_type.nbytes
+                    + 2 * rows_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(feature_desc, [row, head * D], ready, feature_smem.index(stage))
+    tma.async_copy_global_to_shared(transposed_desc, [head * D, column], ready, transposed_smem.index(stage))
+    for v in gl.static_range(FIRST_VECTOR, FIRST_VECTOR + 2):
+        tma.async_copy_global_to_shared(rows_desc, [(v * HEADS_Q + head) * padded_q + column], ready,
+                                        row_smem.index(stage * ROW_VECTORS + v))
+
+
+@gluon.jit
+def _load_query_side(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem, row_smem,
+                     q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
+                     n_steps, HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """Loader warp: the operands of step i into stage i % STAGES once both consumers released it;
+    with Q its token scales and lse2, with dO its token scales and Delta (``rows_desc``: the flat
+    ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
+    for i in range(n_steps):
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
+        row = q_start + m0
+        column = padded_q_start + m0
+        _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
+                   column, padded_q, Q_FACTOR, HEADS_Q, D)
+        _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
+                   column, padded_q, DO_FACTOR, HEADS_Q, D)
+
+
+@gluon.jit
+def _as_query_operand(x, operand_layout: gl.constexpr):
+    """An e4m3 ``[keys, BLOCK_M]`` tile in S^T's accumulator layout as the A operand of a wgmma
+    reducing over queries, with no data movement: the query bits are reordered as
+    ``layout.pv_key_slot`` orders the tokens of Q^T and dO^T."""
+    x = x.reshape([x.shape[0], 2, 2, 2, 2, 2, 2])
+    x = x.permute(QUERY_DIMS.value).reshape([x.shape[0], BLOCK_M])
+    return gl.convert_layout(x, operand_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _reduce_add(pointers, values):
+    """``*pointers += values`` (fp32, relaxed, GPU scope), one ``red.v4`` per four consecutive
+    columns a thread holds (a layout with runs of four; fewer L2 requests than scalar atomics)."""
+    gl.inline_asm_elementwise("red.global.v4.f32.add [$4], {$8, $9, $10, $11};", "=r,=r,=r,=r,l,l,l,l,f,f,f,f",
+                              [pointers.to(gl.int64), values], gl.int32, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER: gl.constexpr,
+              store_layout: gl.constexpr, scale_layout: gl.constexpr):
+    """Publish this warpgroup's dS (e4m3, transposed to queries x keys: FP8 wgmma reads only
+    K-major operands) and its scale in buffer i % 2 for both warpgroups' dQ wgmmas."""
+    buffer = i % 2
+    slot = buffer * CONSUMERS + CONSUMER
+    mbarrier.wait(ds_free.index(buffer), ((i // 2) & 1) ^ 1)
+    # The transpose runs on fp16 copies (exact for e4m3 values); the e4m3 tile is stored row-wise.
+    ds_t = gl.convert_layout(gl.permute(ds8.to(gl.float16), (1, 0)), store_layout).to(gl.float8e4nv)
+    ds_smem.index(slot).store(ds_t)
+    scale_smem.index(slot).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=scale_layout) + layout.scale_value(ds_byte))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's part written before the warpgroup arrives
+    mbarrier.arrive(ds_ready.index(buffer), count=1)
+
+
+@gluon.jit
+def _dq_half(ds_smem, scale_smem, kt_smem, ds_ready, ds_free, i, dq_rows, CONSUMER: gl.constexpr, D: gl.constexpr,
+             dq_layout: gl.constexpr, red_layout: gl.constexpr):
+    """This warpgroup's half of the head dimension of the tile's dQ partial, over both warpgroups'
+    keys (each dS on its own scale), added into ``dq_rows`` (pointers to the tile's rows)."""
+    HALF: gl.constexpr = D // CONSUMERS
+    buffer = i % 2
+    mbarrier.wait(ds_ready.index(buffer), (i // 2) & 1)
+    zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=dq_layout)
+    ds0 = ds_smem.index(buffer * CONSUMERS)
+    ds1 = ds_smem.index(buffer * CONSUMERS + 1)
+    k0 = kt_smem.index(0).slice(CONSUMER * HALF, HALF, dim=0).permute((1, 0))
+    k1 = kt_smem.index(1).slice(CONSUMER * HALF, HALF, dim=0).permute((1, 0))
+    part0 = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
+    part1 = warpgroup_mma(ds1, k1, zero, use_acc=False, is_async=True)
+    part0, part1, _, _, _, _ = warpgroup_mma_wait(0, deps=(part0, part1, ds0, ds1, k0, k1))
+    rows: gl.constexpr = gl.SliceLayout(1, dq_layout)
+    scale0 = scale_smem.index(buffer * CONSUMERS).load(rows)
+    scale1 = scale_smem.index(buffer * CONSUMERS + 1).load(rows)
+    mbarrier.arrive(ds_free.index(buffer), count=1)
+    part = gl.convert_layout(part0 * scale0[:, None] + part1 * scale1[:, None], red_layout)
+    columns = CONSUMER * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, red_layout))
+    _reduce_add(gl.convert_layout(dq_rows, gl.SliceLayout(1, red_layout))[:, None] + columns[None, :], part)
+
+
+@gluon.jit
+def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem, qt_smem, do_smem, dot_smem,
+             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free,
+             qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv,
+             seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
+             first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
+             CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+    """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and half
+    the head dimension of each tile's dQ partial over both warpgroups' keys."""
+    KEYS: gl.constexpr = KEYS_PER_CONSUMER
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D // CONSUMERS, 32])
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # dS^T rows of 8 keys
+    red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 * CONSUMERS // D, D // 4 // CONSUMERS], [4, 1], [1, 0])
+
+    key0 = n_start + CONSUMER * KEYS
+    ready = kv_ready.index(CONSUMER)
+    mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
+    tma.async_copy_global_to_shared(kt_desc, [kv_head * D, (padded_k_start + key0).to(gl.int32)], ready,
+                                    kt_smem.index(CONSUMER))
+
+    keys = key0 + gl.arange(0, KEYS, layout=s_rows)
+    key_scales = kv_head.to(gl.int64) * total_k + k_start + keys
+    k_factor = gl.load(k_scale + key_scales, mask=keys < len_k, other=0.0)
+    # dS is formed times both token scales (hopper_bwd): dS' = P (dP k v_f do_f - k q Delta), the
+    # key factors per row here, the query factors per column in the loop.
+    k_score_factor = k_factor * (softmax_scale * LOG2E)
+    k_dp_factor = k_factor * gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
+    causal_shift = len_k - len_q
+    # Steps whose query tile some key of the program does not see (causal), or all of them
+    # when the key tile runs past the sequence, need the mask.
+    partial_keys = n_start + BLOCK_N > len_k
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
+    dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
+    ds_byte = SMALLEST_NORMAL_BYTE
+    mbarrier.wait(kv_ready.index(CONSUMER), 0)
+    if ACCUMULATE_DQ:  # the dQ wgmmas read both warpgroups' K^T tiles
+        mbarrier.wait(kv_ready.index(1 - CONSUMER), 0)
+    for i in range(n_steps):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
+        queries = m0 + gl.arange(0, BLOCK_M, layout=s_cols)
+        query_in = queries < len_q  # past the sequence the padded vectors hold zeros (lse2 0, not +inf)
+        rows = stage * ROW_VECTORS
+
+        mbarrier.wait(q_ready.index(stage), phase)
+        q_view = q_smem.index(stage).permute((1, 0))
+        s = warpgroup_mma(k_smem, q_view, s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        do_view = do_smem.index(stage).permute((1, 0))
+        dp = warpgroup_mma(v_smem, do_view, s_zero, use_acc=False, is_async=True)
+        s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, k_smem, q_view, v_smem, do_view))
+
+        q_factor = gl.where(query_in, row_smem.index(rows + Q_FACTOR).load(s_cols), 0.0)
+        row_lse2 = gl.where(query_in, row_smem.index(rows + LSE2).load(s_cols), float("inf"))
+        p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - row_lse2[None, :])
+        masked = partial_keys
+        if CAUSAL:
+            masked = masked | (m0 < n_start + BLOCK_N - 1 - causal_shift)
+        if masked:
+            visible = keys[:, None] < len_k
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= queries[None, :] + causal_shift)
+            p = gl.where(visible, p, 0.0)
+        q_dp_factor = q_factor * row_smem.index(rows + DO_FACTOR).load(s_cols)
+        q_delta = q_factor * row_smem.index(rows + DELTA).load(s_cols)
+        ds = p * (dp * k_dp_factor[:, None] * q_dp_factor[None, :] - k_factor[:, None] * q_delta[None, :])
+        p8 = _as_query_operand((p * P_SCALE).to(gl.float8e4nv), a_layout)
+        new_byte = gl.maximum(layout.scale_byte_of_amax(gl.max(gl.max(gl.abs(ds), axis=1), axis=0), False), ds_byte)
+        rescale = layout.byte_ratio(ds_byte, new_byte)
+        ds_byte = new_byte
+        ds8 = (ds * layout.scale_factor(ds_byte)).to(gl.float8e4nv)
+
+        dot_view = dot_smem.index(stage).permute((1, 0))
+        dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
+        qt_view = qt_smem.index(stage).permute((1, 0))
+        dk_acc = warpgroup_mma(_as_query_operand(ds8, a_layout), qt_view, dk_acc * rescale, is_async=True)
+        dv_acc, dk_acc, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, dk_acc, dot_view, qt_view))
+        mbarrier.arrive(empty.index(stage), count=1)
+
+        if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
+            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, store_layout,
+                      gl.SliceLayout(1, dq_layout))
+            dq_rows = dq + ((q_start + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))) * HEADS_Q
+                            + head) * D
+            _dq_half(ds_smem, scale_smem, kt_smem, ds_ready, ds_free, i, dq_rows, CONSUMER, D, dq_layout, red_layout)
+
+    channels = gl.arange(0, D, layout=o_cols)
+    key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
+    key_in = key_rows < len_k
+    sequence_scales = (kv_head * batch + seq) * D + channels
+    dk_scale = gl.load(qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
+    dv_scale = gl.load(dot_scale + sequence_scales) * (1.0 / P_SCALE)
+    k_row_factor = gl.load(k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows, mask=key_in, other=0.0)
+    dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
+    out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
+    gl.store(dk + out_offsets, dk_rows.to(dk.dtype.element_ty), mask=key_in[:, None])
+    gl.store(dv + out_offsets, (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty), mask=key_in[:, None])
+
+
+@gluon.jit
+def _attention_backward_kernel(
+    q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, dot_desc, rows_desc,
+    qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv, offsets_q, offsets_k, work, total_q, total_k, padded_q, batch,
+    softmax_scale,
+    HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    ACCUMULATE_DQ: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    slot = gl.program_id(0) // HEADS_KV
+    kv_head = gl.program_id(0) % HEADS_KV
+    seq = gl.load(work + 2 * slot)
+    if seq < 0:
+        return
+    n_start = gl.load(work + 2 * slot + 1) * BLOCK_N
+    q_start, len_q = layout.sequence_span(offsets_q, seq)
+    k_start, len_k = layout.sequence_span(offsets_k, seq)
+    # Query tiles before m_lo see none of the program's keys (causal, bottom-right aligned).
+    if CAUSAL:
+        m_lo = gl.maximum(n_start - (len_k - len_q), 0) // BLOCK_M * BLOCK_M
+    else:
+        m_lo = 0
+    tiles_per_head = gl.maximum(gl.cdiv(len_q, BLOCK_M) - m_lo // BLOCK_M, 0)
+    group = HEADS_Q // HEADS_KV
+    n_steps = group * tiles_per_head
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES, D, BLOCK_M], qt_desc.layout)
+    dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES, D, BLOCK_M], dot_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS, KEYS_PER_CONSUMER, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS, KEYS_PER_CONSUMER, D], v_desc.layout)
+    kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [CONSUMERS, D, KEYS_PER_CONSUMER], kt_desc.layout)
+    row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], rows_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
+    scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(kv_ready.index(c), count=1)
+    for buffer in gl.static_range(2):
+        mbarrier.init(ds_ready.index(buffer), count=CONSUMERS)
+        mbarrier.init(ds_free.index(buffer), count=CONSUMERS)
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(stage), count=1)
+        mbarrier.init(do_ready.index(stage), count=1)
+        mbarrier.init(empty.index(stage), count=CONSUMERS)
+    fence_async_shared()
+
+    padded_q_start = layout.padded_seq_start(q_start, seq).to(gl.int32)
+    padded_k_start = layout.padded_seq_start(k_start, seq)
+    first_head = kv_head * group
+    gl.warp_specialize(
+        [
+            (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
+                        q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
+                        ds_ready, ds_free,
+                        qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv,
+                        seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
+                        first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
+                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
+            (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
+                        q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
+                        ds_ready, ds_free,
+                        qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv,
+                        seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
+                        first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
+                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
+            (_load_query_side, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
+                                row_smem, q_ready, do_ready, empty, q_start.to(gl.int32), padded_q_start, padded_q,
+                                first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
+
+
+def _descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+
+
+def _padded_row_vectors(prep) -> TensorDescriptor:
+    """The per-query vectors (Q token scales, lse2, dO token scales, Delta; fp32 ``[Hq, total_q]``
+    each) copied to one flat ``[ROW_VECTORS, Hq, padded_q]`` buffer, sequence ``b`` at
+    ``padded_seq_start``, read ``BLOCK_M`` at a time: TMA needs a 16-byte aligned start, which
+    sequences at arbitrary offsets do not give."""
+    vectors = torch.stack([prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta])
+    padded = torch.zeros(ROW_VECTORS.value, prep.heads_q, prep.padded_q, dtype=torch.float32, device=vectors.device)
+    padded[..., padded_rows_of_tokens(prep.offsets_q, sequence_ids(prep.offsets_q, prep.total_q))] = vectors
+    flat = padded.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value],
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether this kernel serves ``hopper_bwd``'s call: CUDA tensors and a head_dim it was tuned
+    for (the Triton kernels of ``hopper_bwd`` are the ones the CPU interpreter runs)."""
+    return x.is_cuda and x.shape[-1] in HEAD_DIMS
+
+
+def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumulate_dq: bool):
+    """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
+    ``[total_q, Hq, D]``. ``prep`` is ``hopper_bwd``'s producer output, made with ``pv_order=True``."""
+    q, k, v, do = prep.q, prep.k, prep.v, prep.do
+    dim, heads_q, heads_kv = prep.dim, prep.heads_q, prep.heads_kv
+    work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, BLOCK_N.value, causal=causal, rows_are_queries=False)
+    if not work.shape[0]:
+        return
+    feature = dict(block=[BLOCK_M.value, dim])
+    transposed = dict(block=[dim, BLOCK_M.value])
+    _attention_backward_kernel[(work.shape[0] * heads_kv,)](
+        _descriptor(q.feature.view(prep.total_q, -1), **feature),
+        _descriptor(q.sequence.view(heads_q * dim, -1), **transposed),
+        _descriptor(k.feature.view(prep.total_k, -1), [KEYS_PER_CONSUMER.value, dim]),
+        _descriptor(k.sequence.view(heads_kv * dim, -1), [dim, KEYS_PER_CONSUMER.value]),
+        _descriptor(v.feature.view(prep.total_k, -1), [KEYS_PER_CONSUMER.value, dim]),
+        _descriptor(do.feature.view(prep.total_q, -1), **feature),
+        _descriptor(do.sequence.view(heads_q * dim, -1), **transposed),
+        _padded_row_vectors(prep), q.sequence_scale, k.feature_scale, v.feature_scale, do.sequence_scale,
+        dq_accum, dk, dv,
+        prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k, prep.padded_q, prep.batch, softmax_scale,
+        HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq, num_warps=4,
+        **tile_config(dim),
+    )
