@@ -264,7 +264,7 @@ def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q
     work = work_list(offsets_q, offsets_k, total_q, BLOCK_M, causal=causal)
     if work.shape[0]:
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
-            _descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS, dim]),
+            _descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim]),
             _descriptor(k_rebased.view(total_k, heads_kv * dim), [config["BLOCK_N"], dim]),
             _descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, config["BLOCK_N"]]),
             q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work,
