@@ -3,26 +3,31 @@
 Each program owns a 128-key tile of one (sequence, KV head). A loader warp streams, for every
 64-row query tile of every query head of the KV head's group, the query-side operands into a
 ring of shared-memory stages with TMA: Q and dO on the feature axis, Q^T and dO^T on the sequence
-axis. Two consumer warpgroups, 64 keys each, run per stage::
+axis, and the per-query vectors (token scales, lse2, Delta). Two consumer warpgroups, 64 keys
+each, run per stage::
 
     S^T = K Q^T,  dP^T = V dO^T                (FP8 wgmma, fp32 in registers)
     P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta)
     dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
-    dQ_partial = dS K                          (dS through shared memory; fp32 atomics)
+    dQ_partial = dS K                          (dS of both warpgroups through shared memory; each
+                                                warpgroup adds half the head dimension with red.v4)
 
 P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
 shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
-order (the forward's trick for V^T, here along queries). Every wgmma starts from a zero
-accumulator and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which would
-bias small late tiles against a large running dK / dV).
+order (the forward's trick for V^T, here along queries). dK's wgmma starts from a zero accumulator
+each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which biases
+small steps against a large running sum); dV chains (measured accurate enough, and registers are
+short). dQ's fp32 partials are added in L2, in units that ``hopper_bwd``'s dQ pass scales.
 
 Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
 producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence,
 channel) scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided
 by each token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a
 running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
-"""
 
+Measured on an H200 (docs/PERF.md, v4): 1.46x the Triton kernel; its heavy-tailed dK is 2.0-3.0e-2
+from the reference backend's (closer to fp64), so ``hopper_bwd`` runs it on request only.
+"""
 from __future__ import annotations
 
 import math
@@ -382,33 +387,35 @@ def _padded_row_vectors(prep) -> TensorDescriptor:
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 
 
-def runs_on(x: torch.Tensor) -> bool:
-    """Whether this kernel serves ``hopper_bwd``'s call: CUDA tensors and a head_dim it was tuned
-    for (the Triton kernels of ``hopper_bwd`` are the ones the CPU interpreter runs)."""
-    return x.is_cuda and x.shape[-1] in HEAD_DIMS
+def _descriptors(prep) -> tuple:
+    """The kernel's TMA descriptors, in its argument order: Q, Q^T, K, K^T, V, dO, dO^T (query tiles of
+    ``BLOCK_M`` tokens, key tiles of one consumer's keys) and the padded per-query vectors."""
+    q, k, v, do = prep.q, prep.k, prep.v, prep.do
+    dim, keys = prep.dim, KEYS_PER_CONSUMER.value
+    feature, transposed = [BLOCK_M.value, dim], [dim, BLOCK_M.value]
+    return (
+        _descriptor(q.feature.view(prep.total_q, -1), feature),
+        _descriptor(q.sequence.view(prep.heads_q * dim, -1), transposed),
+        _descriptor(k.feature.view(prep.total_k, -1), [keys, dim]),
+        _descriptor(k.sequence.view(prep.heads_kv * dim, -1), [dim, keys]),
+        _descriptor(v.feature.view(prep.total_k, -1), [keys, dim]),
+        _descriptor(do.feature.view(prep.total_q, -1), feature),
+        _descriptor(do.sequence.view(prep.heads_q * dim, -1), transposed),
+        _padded_row_vectors(prep),
+    )
 
 
 def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumulate_dq: bool):
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
-    ``[total_q, Hq, D]``. ``prep`` is ``hopper_bwd``'s producer output, made with ``pv_order=True``."""
-    q, k, v, do = prep.q, prep.k, prep.v, prep.do
-    dim, heads_q, heads_kv = prep.dim, prep.heads_q, prep.heads_kv
+    ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang).
+    ``prep`` is ``hopper_bwd``'s producer output, made with ``pv_order=True``."""
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, BLOCK_N.value, causal=causal, rows_are_queries=False)
     if not work.shape[0]:
         return
-    feature = dict(block=[BLOCK_M.value, dim])
-    transposed = dict(block=[dim, BLOCK_M.value])
-    _attention_backward_kernel[(work.shape[0] * heads_kv,)](
-        _descriptor(q.feature.view(prep.total_q, -1), **feature),
-        _descriptor(q.sequence.view(heads_q * dim, -1), **transposed),
-        _descriptor(k.feature.view(prep.total_k, -1), [KEYS_PER_CONSUMER.value, dim]),
-        _descriptor(k.sequence.view(heads_kv * dim, -1), [dim, KEYS_PER_CONSUMER.value]),
-        _descriptor(v.feature.view(prep.total_k, -1), [KEYS_PER_CONSUMER.value, dim]),
-        _descriptor(do.feature.view(prep.total_q, -1), **feature),
-        _descriptor(do.sequence.view(heads_q * dim, -1), **transposed),
-        _padded_row_vectors(prep), q.sequence_scale, k.feature_scale, v.feature_scale, do.sequence_scale,
-        dq_accum, dk, dv,
-        prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k, prep.padded_q, prep.batch, softmax_scale,
-        HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq, num_warps=4,
-        **tile_config(dim),
+    _attention_backward_kernel[(work.shape[0] * prep.heads_kv,)](
+        *_descriptors(prep), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
+        prep.do.sequence_scale, dq_accum, dk, dv, prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k,
+        prep.padded_q, prep.batch, softmax_scale,
+        HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
+        num_warps=4, **tile_config(prep.dim),
     )

@@ -254,19 +254,26 @@ def _descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
                             gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
+def _descriptors(q_rebased: torch.Tensor, k_rebased: torch.Tensor, vt: torch.Tensor, block_n: int):
+    """The kernel's TMA descriptors: Q and K by token rows (``[total, H * D]``), V^T by key columns."""
+    total_q, heads_q, dim = q_rebased.shape
+    total_k, heads_kv, _ = k_rebased.shape
+    return (_descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim]),
+            _descriptor(k_rebased.view(total_k, heads_kv * dim), [block_n, dim]),
+            _descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, block_n]))
+
+
 def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
              out_dtype, config):
     """The kernel on rebased Q, K (``rebase_feature``: per token / per ``BLOCK_N`` tile) and V^T."""
     total_q, heads_q, dim = q_rebased.shape
-    total_k, heads_kv, _ = k_rebased.shape
+    heads_kv = k_rebased.shape[1]
     out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q_rebased.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q_rebased.device)
     work = work_list(offsets_q, offsets_k, total_q, BLOCK_M, causal=causal)
     if work.shape[0]:
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
-            _descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim]),
-            _descriptor(k_rebased.view(total_k, heads_kv * dim), [config["BLOCK_N"], dim]),
-            _descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, config["BLOCK_N"]]),
+            *_descriptors(q_rebased, k_rebased, vt, config["BLOCK_N"]),
             q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work,
             softmax_scale / math.log(2.0), q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1,
             HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, num_warps=4, **config,

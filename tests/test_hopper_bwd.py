@@ -180,6 +180,37 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     assert torch.allclose(dq, expected, rtol=1e-6, atol=0)
 
 
+def test_gluon_kernel_arguments_build_on_the_host():
+    """What the Gluon launcher builds on the host (CPU tensors work): TMA descriptors with plain int
+    blocks (as in test_hopper_fwd's twin), and the per-query vectors at 16-byte aligned padded rows,
+    zeros in between."""
+    lengths_q, heads_q, heads_kv, dim = [0, 3, 130, 1], 4, 2, 64
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
+    descriptors = hopper_bwd_ws._descriptors(prep)
+    rows = hopper_bwd_ws.BLOCK_M.value
+    assert [d.block_shape for d in descriptors] == [[rows, dim], [dim, rows], [64, dim], [dim, 64], [64, dim],
+                                                    [rows, dim], [dim, rows], [rows]]
+    padded = descriptors[-1].base.view(4, heads_q, prep.padded_q)
+    vectors = (prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta)
+    for b, length in enumerate(lengths_q):
+        start, slot = int(offsets_q[b]), layout.padded_seq_start(int(offsets_q[b]), b)
+        for v_index, vector in enumerate(vectors):
+            assert torch.equal(padded[v_index, :, slot:slot + length], vector[:, start:start + length])
+            assert not padded[v_index, :, slot + length:slot + 128].any()
+
+
+def test_kernel_choice():
+    assert hopper_bwd._default_config(torch.device("cpu"))["kernel"] == "triton"
+    assert hopper_bwd._default_config(torch.device("cuda"))["kernel"] == "triton"
+    assert hopper_bwd._default_config(torch.device("cuda"), "gluon") == dict(kernel="gluon")
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        hopper_bwd._default_config(torch.device("cpu"), "gluon")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        hopper_bwd._default_config(torch.device("cpu"), "cutlass")
+
+
 def _gluon_descriptor_type(block):
     from triton.experimental.gluon import language as gl
 
@@ -242,10 +273,10 @@ def test_gpu_accuracy(kind, causal):
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
     reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
     exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
-    # (deterministic, config, asserted): the Gluon kernel (the GPU default) is asserted, the Triton
-    # kernel's former GPU configuration only reported.
-    variants = [(False, dict(kernel="gluon"), True), (True, dict(kernel="gluon"), True),
-                (False, hopper_bwd.GPU_TRITON_CONFIG, False)]
+    # (deterministic, config, asserted): the GPU default (the Triton kernel) is asserted; the opt-in
+    # Gluon kernel only reported (its heavy-tailed dK sits at 2.0-3.0e-2, past the bar: docs/PERF.md).
+    variants = [(False, hopper_bwd.GPU_TRITON_CONFIG, True), (True, hopper_bwd.GPU_TRITON_CONFIG, True),
+                (False, dict(kernel="gluon"), False)]
     failures = []
     for deterministic, config, asserted in variants:
         got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic, **config)
@@ -335,7 +366,7 @@ def _ours(q, k, v, dout, out, lse, offsets_q, offsets_k, **options):
     hopper_bwd._backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, **options)
 
 
-TIMING_CONFIGS = [dict(kernel="gluon"), hopper_bwd.GPU_TRITON_CONFIG]  # the GPU default first
+TIMING_CONFIGS = [hopper_bwd.GPU_TRITON_CONFIG, dict(kernel="gluon")]  # the GPU default first
 
 
 @pytest.mark.gpu
@@ -357,13 +388,14 @@ def test_gpu_timing():
             grad = dout.view(batch, length, heads, dim).transpose(1, 2)
             cudnn_ms = _median_ms(torch.autograd.grad, cudnn_out, dense, grad, retain_graph=True)
         rows.append((f"cuDNN bf16 causal={causal:d}", cudnn_ms, flops / cudnn_ms * 1e-9))
-        runs = [(False, config) for config in TIMING_CONFIGS] + [(True, TIMING_CONFIGS[0])]
+        runs = [(False, config) for config in TIMING_CONFIGS] + [(True, config) for config in TIMING_CONFIGS]
         for deterministic, config in runs:
             ms = _median_ms(_ours, *problem, causal=causal, softmax_scale=scale, deterministic=deterministic, **config)
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
-        # Where the default's time goes: producers, the Gluon kernel with and without dQ, the dQ kernel.
+        # Where the Gluon kernel's time goes: producers, the kernel with and without dQ, the Triton dQ kernel.
         prep = hopper_bwd._Prepared(*problem, pv_order=True)
-        dq_accum, dk, dv = torch.zeros(q.shape, device="cuda"), torch.empty_like(k), torch.empty_like(v)
+        dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, *q.shape[1:], device="cuda")
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [
             ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, pv_order=True)),

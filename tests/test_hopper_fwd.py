@@ -357,6 +357,17 @@ def test_rebase_kv_in_pv_key_order_permutes_each_tile(poisoned):
     assert torch.equal(reordered[2][..., slots].view(torch.uint8), natural[2].view(torch.uint8))
 
 
+def test_gluon_descriptors_build_on_the_host():
+    """The launcher's TMA descriptors build from CPU tensors with plain int blocks: a ``gl.constexpr``
+    block once broke every GPU call of the forward while the CPU suite stayed green."""
+    total_q, total_k, heads_q, heads_kv, dim, block_n = 70, 90, 4, 2, 128, 128
+    e4m3 = torch.float8_e4m3fn
+    q, k = torch.zeros(total_q, heads_q, dim, dtype=e4m3), torch.zeros(total_k, heads_kv, dim, dtype=e4m3)
+    vt = torch.zeros(heads_kv, dim, 256, dtype=e4m3)
+    descriptors = hopper_fwd_ws._descriptors(q, k, vt, block_n)
+    assert [d.block_shape for d in descriptors] == [[64, dim], [block_n, dim], [dim, block_n]]
+
+
 def _descriptor_type(dtype: str, block: list[int]) -> str:
     from triton.experimental.gluon import language as gl
 
