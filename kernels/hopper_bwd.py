@@ -34,7 +34,9 @@ Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, t
 units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
 head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
 dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
-and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`).
+and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). ``kernel="gluon"`` runs
+``hopper_bwd_ws``'s warp-specialized kernel instead of :func:`_dkdv_kernel` (producers with
+``pv_order``; its dQ sums scaled by :func:`_finish_dq_kernel`).
 """
 
 from __future__ import annotations
