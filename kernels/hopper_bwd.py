@@ -53,7 +53,8 @@ from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8, hopper_bwd_ws
 from .layout import (
-    byte_ratio,
+    SMALLEST_NORMAL_BYTE,
+    grown_scale_byte,
     padded_seq_start,
     pv_key_dims,
     scale_byte_of_amax,
@@ -66,7 +67,6 @@ from .layout import (
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
-SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: the running dS scale starts here
 PRODUCER_TILE = 128  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
 PV_KEY_DIMS = tl.constexpr(tuple(pv_key_dims()))
 PRODUCER_WARPS = 8
@@ -87,8 +87,7 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
     Returns (e4m3 tile, the new running byte, ``2^(running_byte - new byte)``: the factor <= 1
     that brings an accumulator kept in units of the old running scale to the new one).
     """
-    byte = tl.maximum(scale_byte_of_amax(tl.max(tl.max(tl.abs(x), axis=1), axis=0), False), running_byte)
-    rescale = byte_ratio(running_byte, byte)
+    byte, rescale = grown_scale_byte(tl.max(tl.max(tl.abs(x), axis=1), axis=0), running_byte)
     return fp8.to_e4m3(x * scale_factor(byte), INTERPRET), byte, rescale
 
 

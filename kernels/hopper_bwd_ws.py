@@ -56,7 +56,6 @@ BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per pr
 BLOCK_M = gl.constexpr(64)  # queries per stage
 LOG2E = gl.constexpr(1.0 / math.log(2.0))
 P_SCALE = gl.constexpr(2.0**mx_format.P_STATIC_EXP)
-SMALLEST_NORMAL_BYTE = gl.constexpr(1)  # E8M0 byte of 2^-126: where the running dS scale starts
 QUERY_DIMS = gl.constexpr(layout.pv_key_dims(BLOCK_M.value.bit_length() - 1))
 # Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these).
 Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
@@ -217,7 +216,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
-    ds_byte = SMALLEST_NORMAL_BYTE
+    ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
     if ACCUMULATE_DQ:  # the dQ wgmmas read both warpgroups' K^T tiles
         mbarrier.wait(kv_ready.index(1 - CONSUMER), 0)
@@ -252,9 +251,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         q_delta = q_factor * row_smem.index(rows + DELTA).load(s_cols)
         ds = p * (dp * k_dp_factor[:, None] * q_dp_factor[None, :] - k_factor[:, None] * q_delta[None, :])
         p8 = _as_query_operand((p * P_SCALE).to(gl.float8e4nv), a_layout)
-        new_byte = gl.maximum(layout.scale_byte_of_amax(gl.max(gl.max(gl.abs(ds), axis=1), axis=0), False), ds_byte)
-        rescale = layout.byte_ratio(ds_byte, new_byte)
-        ds_byte = new_byte
+        ds_byte, rescale = layout.grown_scale_byte(gl.max(gl.max(gl.abs(ds), axis=1), axis=0), ds_byte)
         ds8 = (ds * layout.scale_factor(ds_byte)).to(gl.float8e4nv)
 
         dot_view = dot_smem.index(stage).permute((1, 0))

@@ -105,6 +105,18 @@ def byte_ratio(byte, larger_byte):
     return scale_value(tl.maximum(byte - larger_byte + 127, 0))
 
 
+SMALLEST_NORMAL_BYTE = tl.constexpr(1)  # E8M0 byte of 2^-126: where a running tile scale starts
+
+
+@triton.jit
+def grown_scale_byte(amax, running_byte):
+    """A running per-tile E8M0 scale (rceil) after one more tile of absolute maximum ``amax``: (new
+    byte = max(running_byte, the tile's own byte), ``2^(running_byte - new byte)`` <= 1, the factor
+    that brings an accumulator kept in units of the old scale to the new one)."""
+    byte = tl.maximum(scale_byte_of_amax(amax, False), running_byte)
+    return byte, byte_ratio(running_byte, byte)
+
+
 @triton.jit
 def tile_and_sequence(batch):
     """(tile, sequence) of this program when grid axis 0 runs over ``tiles x batch`` programs, tile
