@@ -30,6 +30,16 @@ sys.stdout.write(compiled.asm["ptx"])
 """
 
 
+_DESCRIPTOR_DTYPES = {"float8_e4m3fn": "fp8e4nv", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def descriptor_type(descriptor) -> str:
+    """The signature type of a Gluon ``TensorDescriptor`` argument (what a launch with it specializes
+    to), so a compile test takes its descriptors from the launcher itself."""
+    dtype = _DESCRIPTOR_DTYPES[str(descriptor.base.dtype).removeprefix("torch.")]
+    return f"tensordesc<{dtype}[{', '.join(map(str, descriptor.block_shape))}],{descriptor.layout!r}>"
+
+
 def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, arch: int = 90,
                 num_warps: int = 4, num_stages: int = 2, aligned=(), options=None, gluon: bool = False) -> str:
     """PTX of ``module.kernel`` compiled for ``sm_{arch}``.

@@ -18,7 +18,7 @@ from jagged_attn.mxfp8 import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.reference import reference_backward, reference_forward
 
-from compile_util import compile_ptx
+from compile_util import compile_ptx, descriptor_type
 
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
@@ -211,24 +211,16 @@ def test_kernel_choice():
         hopper_bwd._default_config(torch.device("cpu"), "cutlass")
 
 
-def _gluon_descriptor_type(block):
-    from triton.experimental.gluon import language as gl
-
-    layout_repr = repr(gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
-    return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{layout_repr}>"
-
-
 @pytest.mark.parametrize("dim, causal, accumulate_dq", [(128, True, True), (64, False, False)])
 def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq):
     """FP8 wgmma for all five GEMMs (P^T and dS^T straight from registers), a loader warp and two
-    consumer warpgroups (setmaxnreg), TMA loads; dQ by atomics only when accumulated."""
-    from triton.experimental.gluon import language as gl
-
-    feature, transposed = _gluon_descriptor_type([64, dim]), _gluon_descriptor_type([dim, 64])
-    signature = dict(q_desc=feature, qt_desc=transposed, k_desc=feature, kt_desc=transposed, v_desc=feature,
-                     do_desc=feature, dot_desc=transposed)
-    row_layout = repr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
-    signature["rows_desc"] = f"tensordesc<fp32[64],{row_layout}>"
+    consumer warpgroups (setmaxnreg), TMA loads; dQ by vector reduce-adds only when accumulated.
+    The descriptors are the launcher's own, built on the host."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
+    names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc")
+    signature = {name: descriptor_type(d) for name, d in zip(names, hopper_bwd_ws._descriptors(prep))}
     signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale", "dq")})
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", total_q="i32",
                      total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")

@@ -20,7 +20,7 @@ import torch
 from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, sequence_ids
-from compile_util import compile_ptx
+from compile_util import compile_ptx, descriptor_type
 
 O_TOLERANCE = 1e-2  # relative L2 of O against the reference on the same MXFP8 inputs
 LSE_TOLERANCE = 1e-3  # absolute
@@ -368,23 +368,17 @@ def test_gluon_descriptors_build_on_the_host():
     assert [d.block_shape for d in descriptors] == [[64, dim], [block_n, dim], [dim, block_n]]
 
 
-def _descriptor_type(dtype: str, block: list[int]) -> str:
-    from triton.experimental.gluon import language as gl
-
-    gl_dtype = gl.float8e4nv if dtype == "fp8e4nv" else gl.bfloat16
-    shared_layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{shared_layout!r}>"
-
-
 @pytest.mark.parametrize("scores, dim", [("fp8", 128), ("bf16", 128), ("fp8", 64)])
 def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     """The warp-specialized kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
     wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg)."""
     config = hopper_fwd_ws.tile_config(dim, scores)
-    qk = "fp8e4nv" if scores == "fp8" else "bf16"
+    qk = torch.float8_e4m3fn if scores == "fp8" else torch.bfloat16
+    descriptors = hopper_fwd_ws._descriptors(torch.zeros(64, 8, dim, dtype=qk), torch.zeros(128, 2, dim, dtype=qk),
+                                             torch.zeros(2, dim, 128, dtype=torch.float8_e4m3fn), config["BLOCK_N"])
+    q_desc, k_desc, vt_desc = (descriptor_type(d) for d in descriptors)
     signature = dict(
-        q_desc=_descriptor_type(qk, [64, dim]), k_desc=_descriptor_type(qk, [config["BLOCK_N"], dim]),
-        vt_desc=_descriptor_type("fp8e4nv", [dim, config["BLOCK_N"]]), q_factor="*fp32", k_factor="*fp32",
+        q_desc=q_desc, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
         v_exponent="*u8", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32",
         scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32",
     )
