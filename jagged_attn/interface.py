@@ -34,6 +34,24 @@ def _unpack(x, offsets, name):
     return x, offsets, None
 
 
+def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("offsets_q", "offsets_k")):
+    """Both offsets valid for their rows and of one batch size (``ValueError`` naming them otherwise)."""
+    validate_offsets(offsets_q, rows_q, names[0])
+    validate_offsets(offsets_k, rows_k, names[1])
+    if offsets_q.numel() != offsets_k.numel():
+        raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
+                         f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale``, ``1/sqrt(head_dim)`` for None; a positive finite number (``ValueError`` otherwise)."""
+    if softmax_scale is None:
+        softmax_scale = head_dim**-0.5
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def _same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b or values_unavailable(a):
         return a.shape == b.shape
@@ -126,18 +144,11 @@ def jagged_attention(
         if data[1].shape[0] != data[0].shape[0]:
             raise ValueError("offsets_k is required when q and k have different numbers of rows")
         offsets_k = offsets_q
-    validate_offsets(offsets_q, data[0].shape[0], "offsets_q")
-    validate_offsets(offsets_k, data[1].shape[0], "offsets_k")
+    check_offsets_pair(offsets_q, data[0].shape[0], offsets_k, data[1].shape[0])
     for name, off in (("offsets_q", offsets_q), ("offsets_k", offsets_k)):
         if off.device != device:
             raise ValueError(f"{name} is on {off.device} but q is on {device}")
-    if offsets_q.numel() != offsets_k.numel():
-        raise ValueError(f"offsets_q and offsets_k must describe the same batch size, got "
-                         f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
-    if softmax_scale is None:
-        softmax_scale = data[0].shape[2] ** -0.5
-    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    softmax_scale = resolve_softmax_scale(softmax_scale, data[0].shape[2])
     name = auto_backend_name(device) if backend == "auto" else backend
     check_kernel_device(name, device)
     if v_axis != "sequence" and name != "reference":
@@ -150,10 +161,10 @@ def jagged_attention(
         if not (_same_offsets(q.offsets, offsets_q) and _same_offsets(k.offsets, offsets_k)):
             raise ValueError("offsets passed explicitly differ from the MXFP8Jagged inputs' offsets")
         out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q, offsets_k,
-                                          bool(causal), float(softmax_scale), name, v_axis)
+                                          bool(causal), softmax_scale, name, v_axis)
     else:
         out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, bool(causal),
-                                    float(softmax_scale), name, bool(deterministic), v_axis)
+                                    softmax_scale, name, bool(deterministic), v_axis)
     if nested_layout is not None:
         out = pack_attention_nested(out, offsets_q, nested_layout)
     return (out, lse) if return_lse else out

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name
-from .interface import jagged_attention
-from .offsets import validate_offsets
+from .interface import check_offsets_pair, jagged_attention, resolve_softmax_scale
 
 
 class JaggedAttention(nn.Module):
@@ -80,17 +79,13 @@ class JaggedAttention(nn.Module):
         from .fused_ops import prequantized_attention_op
 
         offsets_kv = offsets if offsets_kv is None else offsets_kv
-        validate_offsets(offsets, x.shape[0], "offsets")
-        validate_offsets(offsets_kv, source.shape[0], "offsets_kv")
-        if offsets.shape != offsets_kv.shape:
-            raise ValueError(f"offsets and offsets_kv must describe the same batch size, got "
-                             f"{offsets.numel() - 1} and {offsets_kv.numel() - 1}")
+        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=("offsets", "offsets_kv"))
         q, q_data, q_scales = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
         k, k_data, k_scales = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm", self.num_kv_heads)
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        softmax_scale = self.head_dim**-0.5 if self.softmax_scale is None else self.softmax_scale
+        softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
         out, _ = prequantized_attention_op(q, k, v.to(q.dtype), q_data, q_scales, k_data, k_scales, offsets,
-                                           offsets_kv, self.causal, float(softmax_scale), backend, False)
+                                           offsets_kv, self.causal, softmax_scale, backend, False)
         return out
 
     def _quantized_projection(self, x, offsets, projection, norm_name, heads):
