@@ -10,7 +10,8 @@ each, run per stage::
     P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta)
     dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
     dQ_partial = dS K                          (dS of both warpgroups through shared memory; each
-                                                warpgroup adds half the head dimension with red.v4)
+                                                warpgroup adds half the head dimension to global
+                                                memory with TMA bulk reduce-adds from shared memory)
 
 P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
 shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
@@ -25,7 +26,7 @@ channel) scales on the sequence axis (applied in the epilogues), Q and K's seque
 by each token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a
 running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v4): 1.46x the Triton kernel; its heavy-tailed dK is 2.0-3.0e-2
+Measured on an H200 (docs/PERF.md, v4): 1.8x the Triton kernel; its heavy-tailed dK is 2.0-3.0e-2
 from the reference backend's (closer to fp64), so ``hopper_bwd`` runs it on request only.
 """
 from __future__ import annotations
@@ -33,8 +34,10 @@ from __future__ import annotations
 import math
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -60,6 +63,7 @@ QUERY_DIMS = gl.constexpr(layout.pv_key_dims(BLOCK_M.value.bit_length() - 1))
 # Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these).
 Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
 ROW_VECTORS = gl.constexpr(4)
+DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes, the widest swizzled TMA box
 HEAD_DIMS = (64, 128)
 
 
@@ -119,12 +123,12 @@ def _as_query_operand(x, operand_layout: gl.constexpr):
     return gl.convert_layout(x, operand_layout, assert_trivial=True)
 
 
-@gluon.jit
-def _reduce_add(pointers, values):
-    """``*pointers += values`` (fp32, relaxed, GPU scope), one ``red.v4`` per four consecutive
-    columns a thread holds (a layout with runs of four; fewer L2 requests than scalar atomics)."""
-    gl.inline_asm_elementwise("red.global.v4.f32.add [$4], {$8, $9, $10, $11};", "=r,=r,=r,=r,l,l,l,l,f,f,f,f",
-                              [pointers.to(gl.int64), values], gl.int32, is_pure=False, pack=4)
+@builtin
+def _reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk ``global[coord:] += src`` (fp32 adds in L2, asynchronous: ``tma.store_wait`` waits
+    for the read of ``src``). Triton 3.6 builds the op but Gluon does not export it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -145,11 +149,13 @@ def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER:
 
 
 @gluon.jit
-def _dq_half(ds_smem, scale_smem, kt_smem, ds_ready, ds_free, i, dq_rows, CONSUMER: gl.constexpr, D: gl.constexpr,
-             dq_layout: gl.constexpr, red_layout: gl.constexpr):
+def _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, i, dq_row, head,
+             CONSUMER: gl.constexpr, D: gl.constexpr, dq_layout: gl.constexpr):
     """This warpgroup's half of the head dimension of the tile's dQ partial, over both warpgroups'
-    keys (each dS on its own scale), added into ``dq_rows`` (pointers to the tile's rows)."""
+    keys (each dS on its own scale), added into ``dq_desc`` at query row ``dq_row`` by TMA
+    reduce-adds from ``dq_smem`` (two buffers of ``[BLOCK_M, DQ_PIECE]`` pieces per warpgroup)."""
     HALF: gl.constexpr = D // CONSUMERS
+    PIECES: gl.constexpr = HALF // DQ_PIECE
     buffer = i % 2
     mbarrier.wait(ds_ready.index(buffer), (i // 2) & 1)
     zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=dq_layout)
@@ -164,15 +170,27 @@ def _dq_half(ds_smem, scale_smem, kt_smem, ds_ready, ds_free, i, dq_rows, CONSUM
     scale0 = scale_smem.index(buffer * CONSUMERS).load(rows)
     scale1 = scale_smem.index(buffer * CONSUMERS + 1).load(rows)
     mbarrier.arrive(ds_free.index(buffer), count=1)
-    part = gl.convert_layout(part0 * scale0[:, None] + part1 * scale1[:, None], red_layout)
-    columns = CONSUMER * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, red_layout))
-    _reduce_add(gl.convert_layout(dq_rows, gl.SliceLayout(1, red_layout))[:, None] + columns[None, :], part)
+    part = part0 * scale0[:, None] + part1 * scale1[:, None]
+
+    first = (CONSUMER * 2 + buffer) * PIECES
+    tma.store_wait(PIECES)  # this buffer's adds (issued two steps ago) have read it ...
+    gl.thread_barrier()  # ... as seen by the thread that issued them
+    if PIECES == 1:
+        dq_smem.index(first).store(part)
+    else:  # the accumulator's column halves are register halves: no data movement
+        left, right = part.reshape([BLOCK_M, 2, DQ_PIECE]).permute((0, 2, 1)).split()
+        dq_smem.index(first).store(left)
+        dq_smem.index(first + 1).store(right)
+    fence_async_shared()
+    gl.thread_barrier()
+    for piece in gl.static_range(PIECES):
+        _reduce_add(dq_desc, [dq_row, head * D + CONSUMER * HALF + piece * DQ_PIECE], dq_smem.index(first + piece))
 
 
 @gluon.jit
 def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem, qt_smem, do_smem, dot_smem,
-             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free,
-             qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv,
+             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free, dq_smem, dq_desc,
+             qt_scale, k_scale, v_scale, dot_scale, dk, dv,
              seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
              first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
@@ -191,7 +209,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, D // CONSUMERS, 32])
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # dS^T rows of 8 keys
-    red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 * CONSUMERS // D, D // 4 // CONSUMERS], [4, 1], [1, 0])
 
     key0 = n_start + CONSUMER * KEYS
     ready = kv_ready.index(CONSUMER)
@@ -267,9 +284,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
             _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, store_layout,
                       gl.SliceLayout(1, dq_layout))
-            dq_rows = dq + ((q_start + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))) * HEADS_Q
-                            + head) * D
-            _dq_half(ds_smem, scale_smem, kt_smem, ds_ready, ds_free, i, dq_rows, CONSUMER, D, dq_layout, red_layout)
+            _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, i, (q_start + m0).to(gl.int32),
+                     head, CONSUMER, D, dq_layout)
 
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
@@ -282,12 +298,14 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
     gl.store(dk + out_offsets, dk_rows.to(dk.dtype.element_ty), mask=key_in[:, None])
     gl.store(dv + out_offsets, (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty), mask=key_in[:, None])
+    if ACCUMULATE_DQ:
+        tma.store_wait(0)  # the last adds have read dq_smem before the program exits
 
 
 @gluon.jit
 def _attention_backward_kernel(
-    q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, dot_desc, rows_desc,
-    qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv, offsets_q, offsets_k, work, total_q, total_k, padded_q, batch,
+    q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, dot_desc, rows_desc, dq_desc,
+    qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, total_q, total_k, padded_q, batch,
     softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -321,6 +339,9 @@ def _attention_backward_kernel(
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # Per warpgroup two buffers of dQ pieces, each read by its TMA reduce-add while the next is written.
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS * 2 * (D // CONSUMERS // DQ_PIECE), BLOCK_M, DQ_PIECE],
+                                        dq_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -345,15 +366,15 @@ def _attention_backward_kernel(
         [
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
-                        ds_ready, ds_free,
-                        qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv,
+                        ds_ready, ds_free, dq_smem, dq_desc,
+                        qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
                         first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
                         0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
-                        ds_ready, ds_free,
-                        qt_scale, k_scale, v_scale, dot_scale, dq, dk, dv,
+                        ds_ready, ds_free, dq_smem, dq_desc,
+                        qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
                         first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
                         1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
@@ -384,9 +405,10 @@ def _padded_row_vectors(prep) -> TensorDescriptor:
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 
 
-def _descriptors(prep) -> tuple:
+def _descriptors(prep, dq_accum) -> tuple:
     """The kernel's TMA descriptors, in its argument order: Q, Q^T, K, K^T, V, dO, dO^T (query tiles of
-    ``BLOCK_M`` tokens, key tiles of one consumer's keys) and the padded per-query vectors."""
+    ``BLOCK_M`` tokens, key tiles of one consumer's keys), the padded per-query vectors and the fp32
+    ``dq_accum`` (``[BLOCK_M, DQ_PIECE]`` boxes, 128-byte swizzled)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     dim, keys = prep.dim, KEYS_PER_CONSUMER.value
     feature, transposed = [BLOCK_M.value, dim], [dim, BLOCK_M.value]
@@ -399,6 +421,8 @@ def _descriptors(prep) -> tuple:
         _descriptor(do.feature.view(prep.total_q, -1), feature),
         _descriptor(do.sequence.view(prep.heads_q * dim, -1), transposed),
         _padded_row_vectors(prep),
+        TensorDescriptor.from_tensor(dq_accum.view(dq_accum.shape[0], -1), [BLOCK_M.value, DQ_PIECE.value],
+                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)),
     )
 
 
@@ -410,8 +434,8 @@ def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumu
     if not work.shape[0]:
         return
     _attention_backward_kernel[(work.shape[0] * prep.heads_kv,)](
-        *_descriptors(prep), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
-        prep.do.sequence_scale, dq_accum, dk, dv, prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k,
+        *_descriptors(prep, dq_accum), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
+        prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k,
         prep.padded_q, prep.batch, softmax_scale,
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
         num_warps=4, **tile_config(prep.dim),

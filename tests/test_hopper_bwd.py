@@ -188,11 +188,13 @@ def test_gluon_kernel_arguments_build_on_the_host():
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
     prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
-    descriptors = hopper_bwd_ws._descriptors(prep)
+    dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, heads_q, dim)
+    descriptors = hopper_bwd_ws._descriptors(prep, dq_accum)
     rows = hopper_bwd_ws.BLOCK_M.value
     assert [d.block_shape for d in descriptors] == [[rows, dim], [dim, rows], [64, dim], [dim, 64], [64, dim],
-                                                    [rows, dim], [dim, rows], [rows]]
-    padded = descriptors[-1].base.view(4, heads_q, prep.padded_q)
+                                                    [rows, dim], [dim, rows], [rows], [rows, 32]]
+    assert list(descriptors[-1].shape) == [prep.total_q + rows, heads_q * dim]
+    padded = descriptors[-2].base.view(4, heads_q, prep.padded_q)
     vectors = (prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta)
     for b, length in enumerate(lengths_q):
         start, slot = int(offsets_q[b]), layout.padded_seq_start(int(offsets_q[b]), b)
@@ -214,14 +216,15 @@ def test_kernel_choice():
 @pytest.mark.parametrize("dim, causal, accumulate_dq", [(128, True, True), (64, False, False)])
 def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq):
     """FP8 wgmma for all five GEMMs (P^T and dS^T straight from registers), a loader warp and two
-    consumer warpgroups (setmaxnreg), TMA loads; dQ by vector reduce-adds only when accumulated.
+    consumer warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated.
     The descriptors are the launcher's own, built on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
     prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
-    names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc")
-    signature = {name: descriptor_type(d) for name, d in zip(names, hopper_bwd_ws._descriptors(prep))}
-    signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale", "dq")})
+    names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
+    dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, 8, dim)
+    signature = {name: descriptor_type(d) for name, d in zip(names, hopper_bwd_ws._descriptors(prep, dq_accum))}
+    signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale")})
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", total_q="i32",
                      total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
@@ -232,7 +235,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq)
     wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
     assert wgmma == {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in (64, dim)}
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
-    assert ("red.global.v4.f32.add" in ptx) == accumulate_dq  # dQ by vector reduce-adds
+    assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == accumulate_dq
 
 
 # ----------------------------------------------------------------------------- GPU
