@@ -217,7 +217,13 @@ def _calls_of(monkeypatch, name):
                                                      ("triton", False, False), ("triton", True, True)])
 def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cross):
     """Same bf16 layer, the producers fused or not: the interpreter's GEMM may round y differently
-    from torch's in rare elements, so a few MX values may differ; otherwise every step is the same."""
+    from torch's in rare elements, so a few MX values may differ; otherwise every step is the same.
+
+    Gradient bar: typically the two differ by 1e-5 to 1e-4 (40 seeds on CPU, reference backend,
+    causal with qk_norm), but one flipped e4m3 rounding in a query row that sees a single key (the
+    first token of every causal sequence: its output is that key's V value, its dS only rounding
+    noise) moved the k_proj gradient by 3.6e-2 (seed 2105884511: token 34's output by 2.3e-2); a
+    producer bug moves them by O(1)."""
     fused, plain = _bf16_pair(dict(backend=backend, qk_norm=qk_norm), num_heads=4, num_kv_heads=2, head_dim=64,
                               kv_dim=48 if cross else None, causal=not cross, bias=cross)
     offsets = offsets_from_lengths(torch.tensor([0, 1, 33, 129, 31]))
@@ -234,7 +240,7 @@ def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cro
     assert relative_l2(out, ref) < 1e-2
     names = ["x", *(name for name, _ in fused.named_parameters())]
     for name, g, g_ref in zip(names, grads, ref_grads):
-        assert g.dtype == g_ref.dtype and relative_l2(g, g_ref) < 2e-2, name
+        assert g.dtype == g_ref.dtype and relative_l2(g, g_ref) < 6e-2, name
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "triton-fast"])
