@@ -202,8 +202,11 @@ def _attention_forward_kernel(
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
-    slot = gl.program_id(0) // HEADS_Q
-    head = gl.program_id(0) % HEADS_Q
+    # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
+    # (sequence, head), which stream the same K and V tiles through L2 (causal: 4% faster).
+    slots = gl.num_programs(0) // HEADS_Q
+    head = gl.program_id(0) // slots
+    slot = gl.program_id(0) % slots
     if gl.load(work + 2 * slot) < 0:
         return
     seq, row0, q_start, len_q, k_start, len_k, n_tiles = _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N,

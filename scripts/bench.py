@@ -150,14 +150,18 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
 
 
 def ours_backward_and_step(w: Workload):
-    """The public ``jagged_attention`` (backend "triton") on bf16 inputs, through autograd."""
+    """The public ``jagged_attention`` on bf16 inputs, through autograd: "ours" = backend "triton",
+    "fast" = "triton-fast" (FP8 S in the forward, the warp-specialized backward)."""
     from jagged_attn import jagged_attention
 
-    def forward(q, k, v):
-        return jagged_attention(q, k, v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                                backend="triton")
+    results = {}
+    for name, backend in (("ours", "triton"), ("fast", "triton-fast")):
+        def forward(q, k, v, backend=backend):
+            return jagged_attention(q, k, v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
+                                    backend=backend)
 
-    return backward_and_step_ms("ours", forward, (w.q, w.k, w.v), w.dout)
+        results.update(backward_and_step_ms(name, forward, (w.q, w.k, w.v), w.dout))
+    return results
 
 
 # ---- peers ------------------------------------------------------------------------------------
@@ -268,8 +272,8 @@ def ceilings():
 
 BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
 FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "fast mxfp8", "fast kernel", *BF16_PEERS]
-BACKWARD_COLUMNS = ["ours bwd", *(c + " bwd" for c in BF16_PEERS)]
-STEP_COLUMNS = ["ours step", *(c + " step" for c in BF16_PEERS)]
+BACKWARD_COLUMNS = ["ours bwd", "fast bwd", *(c + " bwd" for c in BF16_PEERS)]
+STEP_COLUMNS = ["ours step", "fast step", *(c + " step" for c in BF16_PEERS)]
 PANELS = [("forward", FORWARD_COLUMNS), ("backward", BACKWARD_COLUMNS), ("training step", STEP_COLUMNS)]
 SWEEP = [
     dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
@@ -277,15 +281,17 @@ SWEEP = [
 ]
 
 
-def table(rows, columns, ours_column, peer_columns):
-    head = f"{'workload':<28}{'D':>4}" + "".join(f"{c:>14}" for c in columns) + f"{'ours/best':>11}"
+def table(rows, columns, ours_columns, peer_columns):
+    """Rows of TFLOP/s per column, then each of ``ours_columns`` over the best of ``peer_columns``."""
+    ratio_names = [f"{c.split()[0]}/best" for c in ours_columns]
+    head = f"{'workload':<28}{'D':>4}" + "".join(f"{c:>16}" for c in columns + ratio_names)
     lines = [head, "-" * len(head)]
     for row in rows:
         tf = row["tflops"]
         peers = [tf[c] for c in peer_columns if c in tf]
-        ratio = f"{tf[ours_column] / max(peers):>10.2f}x" if peers and ours_column in tf else f"{'':>11}"
-        cells = "".join(f"{tf[c]:>14.0f}" if c in tf else f"{'-':>14}" for c in columns)
-        lines.append(f"{row['workload']:<28}{row['head_dim']:>4}{cells}{ratio}")
+        cells = "".join(f"{tf[c]:>16.0f}" if c in tf else f"{'-':>16}" for c in columns)
+        ratios = "".join(f"{tf[c] / max(peers):>15.2f}x" if peers and c in tf else f"{'':>16}" for c in ours_columns)
+        lines.append(f"{row['workload']:<28}{row['head_dim']:>4}{cells}{ratios}")
     return "\n".join(lines)
 
 
@@ -387,12 +393,12 @@ def main():
     print(f"\n{result['gpu']}, torch {result['torch']}, {result['date']}, version {result['version']}")
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in result["ceilings"].items()))
     print("forward TFLOP/s")
-    print(table(rows, FORWARD_COLUMNS, "ours mxfp8", BF16_PEERS))
+    print(table(rows, FORWARD_COLUMNS, ["ours mxfp8", "fast mxfp8"], BF16_PEERS))
     if args.backward:
         print("backward TFLOP/s")
-        print(table(rows, BACKWARD_COLUMNS, "ours bwd", BACKWARD_COLUMNS[1:]))
+        print(table(rows, BACKWARD_COLUMNS, BACKWARD_COLUMNS[:2], BACKWARD_COLUMNS[2:]))
         print("training step (forward + backward through autograd) TFLOP/s")
-        print(table(rows, STEP_COLUMNS, "ours step", STEP_COLUMNS[1:]))
+        print(table(rows, STEP_COLUMNS, STEP_COLUMNS[:2], STEP_COLUMNS[2:]))
 
 
 if __name__ == "__main__":
