@@ -536,9 +536,9 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
 GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
-# The Triton dK/dV kernel's GPU-tuned tiles: the GPU default. ``hopper_bwd_ws`` (kernel="gluon") is 1.46x
-# faster on an H200 but its heavy-tailed dK is 2.0-3.0e-2 from the reference backend's, past the 2e-2
-# bar (while closer to fp64 than the reference): opt-in until that is understood (docs/PERF.md).
+# The Triton dK/dV kernel's GPU-tuned tiles: the GPU default. ``hopper_bwd_ws`` (kernel="gluon", backend
+# triton-fast) is 1.75x faster on an H200 but its heavy-tailed dQ, dK are 2.2-3.2e-2 from the reference
+# backend's, past the 2e-2 bar (while closer to fp64 than the reference): opt-in (docs/PERF.md).
 GPU_TRITON_CONFIG = dict(kernel="triton", block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8,
                          num_stages=3)
 KERNELS = ("triton", "gluon")
@@ -697,8 +697,9 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     more than the recomputation (docs/PERF.md).
 
     ``kernel``: "triton" (default) or "gluon": ``hopper_bwd_ws``'s warp-specialized kernel (CUDA
-    only), 31.9 ms against 46.9 ms on an H200 (dense 8 x 8192 x 16, d128), whose dK on heavy-tailed
-    inputs is 2.0-3.0e-2 from the reference backend's (the issue's bar is 2e-2) though closer to fp64.
+    only; backend ``triton-fast``), 26.5 ms against 46.2 ms on an H200 (dense 8 x 8192 x 16, d128),
+    whose dQ, dK on heavy-tailed inputs are 2.2-3.2e-2 from the reference backend's (the bar is
+    2e-2) though closer to fp64.
     """
     _check_inputs(dout, q, k, v, out, lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -26,8 +26,9 @@ channel) scales on the sequence axis (applied in the epilogues), Q and K's seque
 by each token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a
 running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v4): 1.8x the Triton kernel; its heavy-tailed dK is 2.0-3.0e-2
-from the reference backend's (closer to fp64), so ``hopper_bwd`` runs it on request only.
+Measured on an H200 (docs/PERF.md, v5): 1.75x the Triton kernel; its heavy-tailed dQ, dK are
+2.2-3.2e-2 from the reference backend's (closer to fp64), so it is backend ``triton-fast``'s backward
+and ``hopper_bwd`` runs it on request only.
 """
 from __future__ import annotations
 
