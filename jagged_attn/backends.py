@@ -10,13 +10,13 @@ Every backend offers the same three entry points:
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
 
 ``reference`` is the spec in plain torch (any device); ``triton`` is the Hopper (sm_90) path,
-with S = QK^T exact (a bf16 MMA on the MX values: within ~4e-3 of the reference on every input
-kind, docs/PERF.md); ``triton-fast`` is the same with S from FP8 wgmma, whose reduced-precision
-accumulation puts O 1-4e-2 from the reference where scores are large (outlier channels,
-heavy-tailed norms, peaked attention), for 1.1x the forward speed at head_dim 128, and on GPUs
-the warp-specialized backward (S and dP from FP8 wgmma as well: about 1.8x the ``triton``
-backward's speed, heavy-tailed dK 2-4e-2 from the reference's); ``exact`` is the spec-exact
-``tl.dot_scaled`` path (native block-scaled MMA on sm_100+).
+with S = QK^T exact in the forward and the backward (a bf16 MMA on the e4m3 values: O within
+~4e-3 and gradients within ~1e-2 of the reference on every input kind, docs/PERF.md);
+``triton-fast`` is the same with S from FP8 wgmma, whose reduced-precision accumulation puts O
+1-4e-2 and the gradients 2e-2 to 2e-1 from the reference where scores are large (outlier
+channels, heavy-tailed norms, peaked attention), for 1.1x the forward's and 1.1-1.2x the
+backward's speed at head_dim 128; ``exact`` is the spec-exact ``tl.dot_scaled`` path (native
+block-scaled MMA on sm_100+).
 """
 
 from __future__ import annotations
@@ -71,10 +71,9 @@ def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, s
 
 
 def _kernel_backend(name: str, forward_module: str, backward_module: str, forward_options: dict,
-                    cuda_backward_options: dict) -> Backend:
+                    backward_options: dict) -> Backend:
     """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use); the forward
-    entry points get ``forward_options`` as keywords, the backward ``cuda_backward_options`` on
-    CUDA tensors (the CPU interpreter runs the default kernels)."""
+    entry points get ``forward_options`` as keywords, the backward ``backward_options``."""
     fwd = importlib.import_module(f"jagged_attn.kernels.{forward_module}")
     bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
 
@@ -91,16 +90,15 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, forwar
 
     def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
         return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                      softmax_scale=softmax_scale, deterministic=deterministic,
-                                      **(cuda_backward_options if q.is_cuda else {}))
+                                      softmax_scale=softmax_scale, deterministic=deterministic, **backward_options)
 
     return Backend(name, forward_mx, forward_hp, backward)
 
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward)
-_KERNEL_BACKENDS = {  # name: (forward module, backward module, forward options, backward options on CUDA)
-    "triton": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}, {}),
-    "triton-fast": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}, {"kernel": "gluon"}),
+_KERNEL_BACKENDS = {  # name: (forward module, backward module, forward options, backward options)
+    "triton": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}, {"scores": "bf16"}),
+    "triton-fast": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}, {"scores": "fp8"}),
     "exact": ("exact", "exact", {}, {}),
 }
 HOPPER_BACKENDS = ("triton", "triton-fast")

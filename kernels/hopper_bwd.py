@@ -34,9 +34,12 @@ Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, t
 units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
 head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
 dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
-and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). ``kernel="gluon"`` runs
-``hopper_bwd_ws``'s warp-specialized kernel instead of :func:`_dkdv_kernel` (producers with
-``pv_order``; its dQ sums scaled by :func:`_finish_dq_kernel`).
+and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). On GPUs
+``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of :func:`_dkdv_kernel` (producers
+with ``pv_order``; its dQ sums scaled by :func:`_finish_dq_kernel`), by default on bf16 copies of
+Q and K's e4m3 values so that S is exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it
+accumulates, which on heavy-tailed or outlier inputs moves S, and through P and dS the gradients,
+by 3e-2 to 2e-1 (docs/PERF.md, v6); the Triton kernels run in the CPU interpreter (CI).
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ def _sequence_amax_kernel(
 @triton.jit
 def _quantize_kernel(
     x_ptr, offsets_ptr,
-    feature_ptr, feature_scale_ptr,  # e4m3 [total, H, D]; fp32 [H, total]: one scale per token
+    feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits [H, B, D] -> e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
     total, padded, batch,
@@ -169,7 +172,7 @@ def _quantize_kernel(
     if FEATURE:
         byte = _token_scale_byte(x)
         data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
-        tl.store(feature_ptr + natural, data, mask=in_seq[:, None])
+        tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
         tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
     if SEQUENCE:
         group = h // GROUP
@@ -488,13 +491,14 @@ class _Quantized:
 
 
 def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-              pv_order=False):
+              pv_order=False, feature_dtype=torch.float8_e4m3fn):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
     dividing each token by its head_dim scale with ``normalize_tokens``); ``pv_order`` stores the
-    transposed tokens in ``layout.pv_key_slot`` order. With ``out`` and
-    ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
+    transposed tokens in ``layout.pv_key_slot`` order; ``feature_dtype`` bf16 stores the e4m3
+    values of the feature copy as bf16 (exact: a bf16 MMA on them accumulates in plain fp32).
+    With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -506,7 +510,8 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     delta = torch.empty(heads, total, **f32) if with_delta else None
     lse2 = torch.empty(heads, total, **f32) if with_delta else None
     if feature:
-        result.feature, result.feature_scale = torch.empty(x.shape, **e4m3), torch.empty(heads, total, **f32)
+        result.feature = torch.empty(x.shape, dtype=feature_dtype, device=x.device)
+        result.feature_scale = torch.empty(heads, total, **f32)
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, **e4m3)
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
@@ -536,25 +541,29 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
 GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
-# The Triton dK/dV kernel's GPU-tuned tiles: the GPU default. ``hopper_bwd_ws`` (kernel="gluon", backend
-# triton-fast) is 1.75x faster on an H200 but its heavy-tailed dQ, dK are 2.2-3.2e-2 from the reference
-# backend's, past the 2e-2 bar (while closer to fp64 than the reference): opt-in (docs/PERF.md).
+# The Triton dK/dV kernel's GPU-tuned tiles (kernel="triton" on a GPU: 1.6x slower than the Gluon
+# kernel on an H200, and its FP8 S misses the accuracy bar on outlier channels, docs/PERF.md).
 GPU_TRITON_CONFIG = dict(kernel="triton", block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8,
                          num_stages=3)
 KERNELS = ("triton", "gluon")
+SCORE_MODES = ("bf16", "fp8")
 
 
-def _default_config(device: torch.device, kernel: str | None = None) -> dict:
-    """``kernel`` ("triton" or "gluon"; None: "triton") with its configuration for ``device``: GPU-tuned
-    tiles on sm_90, small ones for the CPU interpreter (which cannot run the Gluon kernel)."""
+def _default_config(device: torch.device, kernel: str | None = None, scores: str = "bf16") -> dict:
+    """The kernel and its configuration for ``device``: on CUDA the Gluon kernel (``kernel`` None or
+    "gluon"; S exact from bf16 copies of Q and K with ``scores="bf16"``, from FP8 wgmma with "fp8")
+    or the Triton kernel's GPU tiles ("triton"); in the CPU interpreter, which cannot run Gluon
+    kernels, the Triton kernel with small tiles (its FP8 dots are exact there: ``scores`` moot)."""
     if kernel not in (None, *KERNELS):
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "gluon":
-        if device.type != "cuda":  # the interpreter runs Triton kernels, not Gluon ones
-            raise ValueError(f"the Gluon backward runs on CUDA devices only, got {device}")
-        return dict(kernel="gluon")
+    if scores not in SCORE_MODES:
+        raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
     if device.type == "cuda":
-        return dict(GPU_TRITON_CONFIG)
+        if kernel == "triton":
+            return dict(GPU_TRITON_CONFIG)
+        return dict(kernel="gluon", exact_scores=scores == "bf16")
+    if kernel == "gluon":
+        raise ValueError(f"the Gluon backward runs on CUDA devices only, got {device}")
     return dict(kernel="triton", block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4,
                 num_stages=1)
 
@@ -576,7 +585,7 @@ def _check_inputs(dout, q, k, v, out, lse):
 class _Prepared:
     """The producers' outputs for one backward call, plus the sizes the launches need."""
 
-    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=False):
+    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=False, exact_scores=False):
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
         self.total_q, self.total_k = q.shape[0], k.shape[0]
@@ -586,9 +595,12 @@ class _Prepared:
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
+        # exact_scores: Q and K's feature copies (read only for S) as bf16, for the Gluon kernel's exact S.
+        score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
         self.q, _, _ = _quantize(q, offsets_q, self.max_len_q, feature=True, sequence=True, normalize_tokens=True,
-                                 group=group, pv_order=pv_order)
-        self.k, _, _ = _quantize(k, offsets_k, self.max_len_k, feature=True, sequence=True, normalize_tokens=True)
+                                 group=group, pv_order=pv_order, feature_dtype=score_dtype)
+        self.k, _, _ = _quantize(k, offsets_k, self.max_len_k, feature=True, sequence=True, normalize_tokens=True,
+                                 feature_dtype=score_dtype)
         self.v, _, _ = _quantize(v, offsets_k, self.max_len_k, feature=True, sequence=False)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, self.max_len_q, feature=True, sequence=True,
                                                    group=group, out=out, lse=lse, pv_order=pv_order)
@@ -654,13 +666,14 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
 def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
                    deterministic, kernel="triton", **config):
     """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`.
-    ``kernel``: "gluon" (``hopper_bwd_ws``, no further config) or "triton" (tile ``config``)."""
+    ``kernel``: "gluon" (``hopper_bwd_ws``; ``config`` only ``exact_scores``) or "triton" (tile ``config``)."""
     if offsets_q.numel() == 1:
         return
     if kernel == "gluon":
+        exact_scores = config.pop("exact_scores", True)
         if config:
             raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
-        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
+        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True, exact_scores=exact_scores)
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
@@ -679,7 +692,7 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
 
 
 def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
-                       deterministic: bool = False, kernel: str | None = None):
+                       deterministic: bool = False, scores: str = "bf16", kernel: str | None = None):
     """dQ, dK, dV of varlen MXFP8 attention (DESIGN.md section 3 dataflow, Hopper scale handling).
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``, high precision (fp32, bf16
@@ -688,21 +701,22 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     or 128; ``Hq % Hkv == 0`` (dK, dV summed over each KV head's query-head group). Returns
     (dq, dk, dv) in the inputs' dtypes.
 
+    On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
+    S comes from a bf16 MMA on Q and K's e4m3 values (exact), with "fp8" from FP8 wgmma (~13-bit
+    accumulation). On an H200 (dense 8 x 8192 x 16, d128): 29.1 / 26.8 ms, cuDNN BF16 20.3 ms;
+    gradients within 1e-2 of the reference backend on all four input kinds of the tests with
+    "bf16", 2e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6).
+    ``kernel="triton"`` runs the Triton kernel there instead (46.5 ms); the CPU interpreter runs it.
+
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
     reduce-adds on the GPU, atomics in the interpreter; the order varies run to run).
-    ``deterministic=True`` instead runs a second kernel per query tile that loops over its key
-    tiles in order: bit-identical results, at the price of recomputing S and dP there (1.4x the
-    GEMM FLOPs). Measured on an H200 (dense 8 x 8192 x 16, d128) it cost no time: 48.7 ms
-    against 55.7 ms for the in-kernel reduction, whose extra GEMM and register pressure weigh
-    more than the recomputation (docs/PERF.md).
-
-    ``kernel``: "triton" (default) or "gluon": ``hopper_bwd_ws``'s warp-specialized kernel (CUDA
-    only; backend ``triton-fast``), 26.5 ms against 46.2 ms on an H200 (dense 8 x 8192 x 16, d128),
-    whose dQ, dK on heavy-tailed inputs are 2.2-3.2e-2 from the reference backend's (the bar is
-    2e-2) though closer to fp64.
+    ``deterministic=True`` computes dQ in a separate Triton kernel per query tile that loops over
+    its key tiles in order: bit-identical results, at the price of recomputing S and dP there (S
+    from FP8 wgmma promoted to fp32 every 32 channels): 37.6 ms on the same H200 workload.
     """
     _check_inputs(dout, q, k, v, out, lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                   softmax_scale=softmax_scale, deterministic=deterministic, **_default_config(q.device, kernel))
+                   softmax_scale=softmax_scale, deterministic=deterministic,
+                   **_default_config(q.device, kernel, scores))
     return dq, dk, dv

@@ -151,7 +151,7 @@ def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER:
 
 @gluon.jit
 def _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, i, dq_row, head,
-             CONSUMER: gl.constexpr, D: gl.constexpr, dq_layout: gl.constexpr):
+             CONSUMER: gl.constexpr, D: gl.constexpr, DQ_BUFFERS: gl.constexpr, dq_layout: gl.constexpr):
     """This warpgroup's half of the head dimension of the tile's dQ partial, over both warpgroups'
     keys (each dS on its own scale), added into ``dq_desc`` at query row ``dq_row`` by TMA
     reduce-adds from ``dq_smem`` (two buffers of ``[BLOCK_M, DQ_PIECE]`` pieces per warpgroup)."""
@@ -173,8 +173,8 @@ def _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, 
     mbarrier.arrive(ds_free.index(buffer), count=1)
     part = part0 * scale0[:, None] + part1 * scale1[:, None]
 
-    first = (CONSUMER * 2 + buffer) * PIECES
-    tma.store_wait(PIECES)  # this buffer's adds (issued two steps ago) have read it ...
+    first = (CONSUMER * DQ_BUFFERS + i % DQ_BUFFERS) * PIECES
+    tma.store_wait((DQ_BUFFERS - 1) * PIECES)  # this buffer's last adds have read it ...
     gl.thread_barrier()  # ... as seen by the thread that issued them
     if PIECES == 1:
         dq_smem.index(first).store(part)
@@ -195,7 +195,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
              seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
              first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and half
     the head dimension of each tile's dQ partial over both warpgroups' keys."""
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
@@ -231,6 +231,11 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     # when the key tile runs past the sequence, need the mask.
     partial_keys = n_start + BLOCK_N > len_k
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    # S^T from bf16 copies of Q and K's e4m3 values (exact: fp32 accumulation) or from e4m3 itself.
+    S_K: gl.constexpr = 16 if k_desc.dtype == gl.bfloat16 else 32
+    score_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, S_K])
+    score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
@@ -248,11 +253,12 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
 
         mbarrier.wait(q_ready.index(stage), phase)
         q_view = q_smem.index(stage).permute((1, 0))
-        s = warpgroup_mma(k_smem, q_view, s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_smem, q_view, score_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         do_view = do_smem.index(stage).permute((1, 0))
         dp = warpgroup_mma(v_smem, do_view, s_zero, use_acc=False, is_async=True)
         s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, k_smem, q_view, v_smem, do_view))
+        s = gl.convert_layout(s, s_layout, assert_trivial=True)
 
         q_factor = gl.where(query_in, row_smem.index(rows + Q_FACTOR).load(s_cols), 0.0)
         row_lse2 = gl.where(query_in, row_smem.index(rows + LSE2).load(s_cols), float("inf"))
@@ -286,7 +292,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
             _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, store_layout,
                       gl.SliceLayout(1, dq_layout))
             _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, i, (q_start + m0).to(gl.int32),
-                     head, CONSUMER, D, dq_layout)
+                     head, CONSUMER, D, DQ_BUFFERS, dq_layout)
 
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
@@ -345,8 +351,10 @@ def _attention_backward_kernel(
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # Per warpgroup two buffers of dQ pieces, each read by its TMA reduce-add while the next is written.
-    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS * 2 * (D // CONSUMERS // DQ_PIECE), BLOCK_M, DQ_PIECE],
-                                        dq_desc.layout)
+    # (one buffer when bf16 Q and K leave no room for two)
+    DQ_BUFFERS: gl.constexpr = 1 if k_desc.dtype == gl.bfloat16 else 2
+    dq_pieces: gl.constexpr = CONSUMERS * DQ_BUFFERS * (D // CONSUMERS // DQ_PIECE)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [dq_pieces, BLOCK_M, DQ_PIECE], dq_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -375,14 +383,14 @@ def _attention_backward_kernel(
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
                         first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
-                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
+                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ, DQ_BUFFERS)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
                         ds_ready, ds_free, dq_smem, dq_desc,
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
                         first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
-                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
+                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ, DQ_BUFFERS)),
             (_load_query_side, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
                                 row_smem, q_ready, do_ready, empty, q_start.to(gl.int32), padded_q_start, padded_q,
                                 first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D, STAGES)),
@@ -393,8 +401,9 @@ def _attention_backward_kernel(
 
 
 def _descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    dtype = gl.bfloat16 if t2d.dtype == torch.bfloat16 else gl.float8e4nv
     return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+                            gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
 def _padded_row_vectors(prep) -> TensorDescriptor:
