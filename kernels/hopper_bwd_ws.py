@@ -6,7 +6,7 @@ ring of shared-memory stages with TMA: Q and dO on the feature axis, Q^T and dO^
 axis, and the per-query vectors (token scales, lse2, Delta). Two consumer warpgroups, 64 keys
 each, run per stage::
 
-    S^T = K Q^T,  dP^T = V dO^T                (FP8 wgmma, fp32 in registers)
+    S^T = K Q^T,  dP^T = V dO^T                (bf16 or FP8 wgmma, fp32 in registers)
     P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta)
     dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
     dQ_partial = dS K                          (dS of both warpgroups through shared memory; each
@@ -20,15 +20,17 @@ each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, 
 small steps against a large running sum); dV chains (measured accurate enough, and registers are
 short). dQ's fp32 partials are added in L2, in units that ``hopper_bwd``'s dQ pass scales.
 
-Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
-producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence,
+S^T comes from a bf16 wgmma when the producer stored Q and K's e4m3 values as bf16
+(``exact_scores``, the default: fp32 accumulation, so S is exact) and from FP8 wgmma otherwise
+(~13-bit accumulation). Operands, scales and their folding are exactly those of ``hopper_bwd``
+(its docstring and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence,
 channel) scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided
 by each token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a
 running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v5): 1.75x the Triton kernel; its heavy-tailed dQ, dK are
-2.2-3.2e-2 from the reference backend's (closer to fp64), so it is backend ``triton-fast``'s backward
-and ``hopper_bwd`` runs it on request only.
+Measured on an H200 (docs/PERF.md, v6): exact S 1.6x the Triton kernel's speed, gradients within
+1.1e-2 of the reference backend on every input kind of the tests; FP8 S (backend ``triton-fast``)
+1.75x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier inputs.
 """
 from __future__ import annotations
 
