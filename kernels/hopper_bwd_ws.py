@@ -55,6 +55,7 @@ from jagged_attn.offsets import padded_rows_of_tokens, sequence_ids
 
 from . import layout
 from .schedule import work_list
+from .tma import operand_descriptor
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
@@ -402,12 +403,6 @@ def _attention_backward_kernel(
     )
 
 
-def _descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    dtype = gl.bfloat16 if t2d.dtype == torch.bfloat16 else gl.float8e4nv
-    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
 def _padded_row_vectors(prep) -> TensorDescriptor:
     """The per-query vectors (Q token scales, lse2, dO token scales, Delta; fp32 ``[Hq, total_q]``
     each) copied to one flat ``[ROW_VECTORS, Hq, padded_q]`` buffer, sequence ``b`` at
@@ -429,13 +424,13 @@ def _descriptors(prep, dq_accum) -> tuple:
     dim, keys = prep.dim, KEYS_PER_CONSUMER.value
     feature, transposed = [BLOCK_M.value, dim], [dim, BLOCK_M.value]
     return (
-        _descriptor(q.feature.view(prep.total_q, -1), feature),
-        _descriptor(q.sequence.view(prep.heads_q * dim, -1), transposed),
-        _descriptor(k.feature.view(prep.total_k, -1), [keys, dim]),
-        _descriptor(k.sequence.view(prep.heads_kv * dim, -1), [dim, keys]),
-        _descriptor(v.feature.view(prep.total_k, -1), [keys, dim]),
-        _descriptor(do.feature.view(prep.total_q, -1), feature),
-        _descriptor(do.sequence.view(prep.heads_q * dim, -1), transposed),
+        operand_descriptor(q.feature.view(prep.total_q, -1), feature),
+        operand_descriptor(q.sequence.view(prep.heads_q * dim, -1), transposed),
+        operand_descriptor(k.feature.view(prep.total_k, -1), [keys, dim]),
+        operand_descriptor(k.sequence.view(prep.heads_kv * dim, -1), [dim, keys]),
+        operand_descriptor(v.feature.view(prep.total_k, -1), [keys, dim]),
+        operand_descriptor(do.feature.view(prep.total_q, -1), feature),
+        operand_descriptor(do.sequence.view(prep.heads_q * dim, -1), transposed),
         _padded_row_vectors(prep),
         TensorDescriptor.from_tensor(dq_accum.view(dq_accum.shape[0], -1), [BLOCK_M.value, DQ_PIECE.value],
                                      gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)),

@@ -27,13 +27,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from jagged_attn import mx_format
 
 from . import layout
 from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
 from .schedule import work_list
+from .tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONSUMERS = gl.constexpr(2)
@@ -251,19 +251,13 @@ def _attention_forward_kernel(
     )
 
 
-def _descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    dtype = gl.float8e4nv if t2d.dtype == torch.float8_e4m3fn else gl.bfloat16
-    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
 def _descriptors(q_rebased: torch.Tensor, k_rebased: torch.Tensor, vt: torch.Tensor, block_n: int):
     """The kernel's TMA descriptors: Q and K by token rows (``[total, H * D]``), V^T by key columns."""
     total_q, heads_q, dim = q_rebased.shape
     total_k, heads_kv, _ = k_rebased.shape
-    return (_descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim]),
-            _descriptor(k_rebased.view(total_k, heads_kv * dim), [block_n, dim]),
-            _descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, block_n]))
+    return (operand_descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim]),
+            operand_descriptor(k_rebased.view(total_k, heads_kv * dim), [block_n, dim]),
+            operand_descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, block_n]))
 
 
 def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
