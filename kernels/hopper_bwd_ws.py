@@ -23,10 +23,10 @@ short). dQ's fp32 partials are added in L2, in units that ``hopper_bwd``'s dQ pa
 S^T comes from a bf16 wgmma when the producer stored Q and K's e4m3 values as bf16
 (``exact_scores``, the default: fp32 accumulation, so S is exact) and from FP8 wgmma otherwise
 (~13-bit accumulation). Operands, scales and their folding are exactly those of ``hopper_bwd``
-(its docstring and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence,
-channel) scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided
-by each token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a
-running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
+(its docstring and producers): per-token scales on the feature axis (applied to S^T and dP^T),
+per-(sequence, channel) scales on the sequence axis (applied in the epilogues), Q and K's sequence
+copies divided by each token's scale with that scale folded into dS, P on the static 2^8 scale and
+dS on a running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
 Measured on an H200 (docs/PERF.md, v6): exact S 1.6x the Triton kernel's speed, gradients within
 1.1e-2 of the reference backend on every input kind of the tests; FP8 S (backend ``triton-fast``)
@@ -157,7 +157,8 @@ def _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, 
              CONSUMER: gl.constexpr, D: gl.constexpr, DQ_BUFFERS: gl.constexpr, dq_layout: gl.constexpr):
     """This warpgroup's half of the head dimension of the tile's dQ partial, over both warpgroups'
     keys (each dS on its own scale), added into ``dq_desc`` at query row ``dq_row`` by TMA
-    reduce-adds from ``dq_smem`` (two buffers of ``[BLOCK_M, DQ_PIECE]`` pieces per warpgroup)."""
+    reduce-adds from ``dq_smem`` (``DQ_BUFFERS`` buffers of ``[BLOCK_M, DQ_PIECE]`` pieces per
+    warpgroup, used in turn)."""
     HALF: gl.constexpr = D // CONSUMERS
     PIECES: gl.constexpr = HALF // DQ_PIECE
     buffer = i % 2
