@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws, layout
+from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.mxfp8 import quantize_mxfp8
-from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.offsets import max_length, offsets_from_lengths, padded_seq_start
 from jagged_attn.reference import reference_backward, reference_forward
 
 from compile_util import compile_ptx, descriptor_type
+from test_quantize_kernel import assert_data_identical
 
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
@@ -143,6 +145,79 @@ def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
                       constexprs, arch=90, num_warps=8)
     assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ tiles added by TMA
+
+
+def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None):
+    """What ``hopper_bwd._quantize`` writes, in torch (name -> tensor): the sequence-axis copy at the
+    columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end."""
+    values = x.float()
+    token_byte = scale_bytes(values.abs().amax(-1))  # [total, H]
+    expected = dict(feature=quantize_with_factors(values, scale_factors(token_byte)[..., None]),
+                    feature_scale=descale_factors(token_byte).T)
+    if normalize_tokens:
+        values = values * scale_factors(token_byte)[..., None]
+    _, heads, dim = x.shape
+    sequence, sequence_scale = [], torch.zeros(heads // group, offsets.numel() - 1, dim)
+    for b, (start, length) in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist())):
+        if length == 0:  # no slot; its scales stay zero
+            continue
+        seq = torch.zeros(-(-length // 128) * 128, heads, dim)
+        seq[:length] = values[start:start + length]
+        byte = scale_bytes(seq.abs().amax(0).view(heads // group, group, dim).amax(1))  # [H / group, D]
+        sequence_scale[:, b] = descale_factors(byte)
+        sequence.append(quantize_with_factors(seq, scale_factors(byte).repeat_interleave(group, 0)).permute(1, 2, 0))
+    expected.update(sequence=torch.cat(sequence, -1), sequence_scale=sequence_scale)
+    if out is not None:
+        expected.update(delta=(x.float() * out.float()).sum(-1).T,
+                        lse2=torch.where(lse == -math.inf, math.inf, lse * (1 / math.log(2))).T)
+    return expected
+
+
+def written_columns(offsets):
+    """Columns of the transposed sequence-axis copies that hold a sequence: its whole 128-token slots."""
+    return torch.cat([torch.arange(-(-length // 128) * 128) + padded_seq_start(start, b)
+                      for b, (start, length) in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist()))])
+
+
+@pytest.mark.parametrize("dim, group, normalize_tokens, with_delta", [(64, 2, True, False), (128, 1, False, True),
+                                                                      (64, 4, False, True)])
+def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with_delta):
+    """Both layouts, scales, Delta and lse2 of the producer exactly as the torch oracle (heavy-tailed
+    token norms, so that token and sequence scales differ widely); its buffers are poisoned with 0xFF
+    bytes (NaN in fp32 and e4m3) so that anything it leaves unwritten shows."""
+    offsets = offsets_from_lengths(torch.tensor([0, 1, 31, 33, 127, 128, 129, 200]))
+    heads = 2 * group
+    x = torch.randn(int(offsets[-1]), heads, dim) * torch.exp(2 * torch.randn(int(offsets[-1]), heads, 1))
+    x = x.to(torch.bfloat16)
+    out = torch.randn_like(x) if with_delta else None
+    lse = torch.randn(x.shape[:2]) if with_delta else None
+    if with_delta:
+        lse[torch.rand(lse.shape) < 0.1] = -math.inf  # rows that see no key
+    allocate = torch.empty
+
+    def poisoned(*shape, **kwargs):
+        buffer = allocate(*shape, **kwargs)
+        buffer.view(torch.uint8).fill_(0xFF)
+        return buffer
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse)
+    result, delta, lse2 = hopper_bwd._quantize(x, offsets, max_length(offsets), feature=True, sequence=True, **options)
+    monkeypatch.undo()
+    got = dict(feature=result.feature, feature_scale=result.feature_scale,
+               sequence=result.sequence[..., written_columns(offsets)], sequence_scale=result.sequence_scale)
+    if with_delta:
+        got.update(delta=delta, lse2=lse2)
+    expected = producer_oracle(x, offsets, **options)
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        if name == "delta":  # a sum over head_dim, added in another order: to its rounding
+            bound = 1e-5 * (x.float() * out.float()).abs().sum(-1).T
+            assert ((tensor - expected[name]).abs() <= bound).all(), "delta differs from the oracle"
+        elif tensor.dtype == torch.float8_e4m3fn:
+            assert_data_identical(tensor, expected[name])
+        else:
+            assert torch.equal(tensor, expected[name]), f"{name} differs from the oracle"
 
 
 def test_pv_order_stores_transposed_tokens_in_pv_key_slot_order():
