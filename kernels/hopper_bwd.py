@@ -126,10 +126,11 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 def _sequence_amax_kernel(
     x_ptr, offsets_ptr, amax_ptr, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    """Per-(head, sequence, channel) absolute maxima of :func:`_sequence_axis_values` into
-    ``amax`` (int32 bits of the fp32 values, ``[H, B, D]``, zero-initialized): non-negative
-    floats order like their bits."""
+    """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
+    channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
+    non-negative floats order like their bits."""
     tile, b = tile_and_sequence(batch)
     h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
@@ -137,14 +138,14 @@ def _sequence_amax_kernel(
         return
     x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
     amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
-    tl.atomic_max(amax_ptr + (h * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
+    tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
 
 
 @triton.jit
 def _quantize_kernel(
     x_ptr, offsets_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
-    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits [H, B, D] -> e4m3 [H, D, padded]; fp32 [H / GROUP, B, D]
+    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
@@ -176,10 +177,7 @@ def _quantize_kernel(
         tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
     if SEQUENCE:
         group = h // GROUP
-        amax_bits = tl.zeros([HEAD_DIM], dtype=tl.int32)
-        for j in tl.static_range(GROUP):
-            head_amax = tl.load(amax_ptr + ((group * GROUP + j) * batch + b) * HEAD_DIM + channels)
-            amax_bits = tl.maximum(amax_bits, head_amax)
+        amax_bits = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
         byte = scale_byte_of_amax(amax_bits.to(tl.float32, bitcast=True), False)
         values = _sequence_axis_values(x, NORMALIZE_TOKENS)
         data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
@@ -520,9 +518,9 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     grid = (triton.cdiv(max_len, PRODUCER_TILE) * batch, heads)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
                  num_warps=PRODUCER_WARPS)
-    amax = torch.zeros(heads, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
+    amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
-        _sequence_amax_kernel[grid](x, offsets, amax, batch, **shape)
+        _sequence_amax_kernel[grid](x, offsets, amax, batch, GROUP=group, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
     _quantize_kernel[grid](
         x, offsets,
