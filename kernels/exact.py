@@ -34,12 +34,12 @@ from jagged_attn.offsets import max_length
 
 from . import fp8
 from .layout import (
+    grid_split,
     padded_seq_start,
     scale_byte_of_amax,
     scale_byte_offset,
     scale_factor,
     sequence_span,
-    tile_and_sequence,
 )
 
 MX_BLOCK = tl.constexpr(mx_format.BLOCK_SIZE)
@@ -161,7 +161,7 @@ def forward_kernel(
     INTERPRET: tl.constexpr,
 ):
     """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
-    tile, seq = tile_and_sequence(batch)
+    tile, seq = grid_split(batch)
     head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q, seq)
     k_start, len_k = sequence_span(offsets_k, seq)
@@ -345,7 +345,7 @@ def dkdv_kernel(
     dV = P^T dO (P on the static 2^8 scale, dO on the sequence axis); dK = dS^T Q (Q on the sequence
     axis); S and dP from head_dim-axis Q, K, V, dO (DESIGN.md section 3).
     """
-    tile, seq = tile_and_sequence(batch)
+    tile, seq = grid_split(batch)
     kv_head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q, seq)
     k_start, len_k = sequence_span(offsets_k, seq)
@@ -471,7 +471,7 @@ def dq_kernel(
 
     It recomputes the same dS tiles as :func:`dkdv_kernel` (no atomics: deterministic).
     """
-    tile, seq = tile_and_sequence(batch)
+    tile, seq = grid_split(batch)
     head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q, seq)
     k_start, len_k = sequence_span(offsets_k, seq)

@@ -57,6 +57,7 @@ from jagged_attn.offsets import max_length, padded_total
 from . import fp8, hopper_bwd_ws
 from .layout import (
     SMALLEST_NORMAL_BYTE,
+    grid_split,
     grown_scale_byte,
     padded_seq_start,
     pv_key_dims,
@@ -65,7 +66,6 @@ from .layout import (
     scale_inverse,
     scale_value,
     sequence_span,
-    tile_and_sequence,
 )
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
@@ -131,7 +131,7 @@ def _sequence_amax_kernel(
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
     non-negative floats order like their bits."""
-    tile, b = tile_and_sequence(batch)
+    tile, b = grid_split(batch)
     h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
     if tile * TILE >= seq_len:
@@ -162,7 +162,7 @@ def _quantize_kernel(
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key).
     """
-    tile, b = tile_and_sequence(batch)
+    tile, b = grid_split(batch)
     h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
     if tile * TILE >= seq_len:
@@ -309,7 +309,7 @@ def _dkdv_kernel(
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
     ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
     """
-    n_tile, b = tile_and_sequence(batch)
+    n_tile, b = grid_split(batch)
     kv_head = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q_ptr, b)
     k_start, len_k = sequence_span(offsets_k_ptr, b)
@@ -409,7 +409,7 @@ def _dq_kernel(
     """dQ of one (BLOCK_M query tile, sequence, query head), looping over its key tiles in order
     (no atomics: bit-identical run to run). Layouts as in :func:`_dkdv_kernel`; dq in the output
     dtype ``[total_q, Hq, D]``."""
-    m_tile, b = tile_and_sequence(batch)
+    m_tile, b = grid_split(batch)
     h = tl.program_id(1)
     q_start, len_q = sequence_span(offsets_q_ptr, b)
     k_start, len_k = sequence_span(offsets_k_ptr, b)
@@ -464,7 +464,7 @@ def _finish_dq_kernel(
     """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
-    tile, b = tile_and_sequence(batch)
+    tile, b = grid_split(batch)
     h = tl.program_id(1)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
     if tile * TILE >= seq_len:

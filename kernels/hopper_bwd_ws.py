@@ -324,9 +324,7 @@ def _attention_backward_kernel(
     # KV head outer, work slots inner: the programs running at once are mostly the key tiles of the
     # same (sequence, head), which read the same Q/dO tiles and add dQ to the same rows at about
     # the same time, so L2 serves them (causal: 1.3x; the key tiles of many heads at once thrashed it).
-    slots = gl.num_programs(0) // HEADS_KV
-    kv_head = gl.program_id(0) // slots
-    slot = gl.program_id(0) % slots
+    slot, kv_head = layout.grid_split(HEADS_KV)
     seq = gl.load(work + 2 * slot)
     if seq < 0:
         return

@@ -204,9 +204,7 @@ def _attention_forward_kernel(
 ):
     # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
     # (sequence, head), which stream the same K and V tiles through L2 (causal: 4% faster).
-    slots = gl.num_programs(0) // HEADS_Q
-    head = gl.program_id(0) // slots
-    slot = gl.program_id(0) % slots
+    slot, head = layout.grid_split(HEADS_Q)
     if gl.load(work + 2 * slot) < 0:
         return
     seq, row0, q_start, len_q, k_start, len_k, n_tiles = _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N,

@@ -118,9 +118,10 @@ def grown_scale_byte(amax, running_byte):
 
 
 @triton.jit
-def tile_and_sequence(batch):
-    """(tile, sequence) of this program when grid axis 0 runs over ``tiles x batch`` programs, tile
-    fastest: grid axes 1 and 2 stop at 65535, fewer than a batch may have sequences."""
-    tiles = tl.num_programs(0) // batch
+def grid_split(outer):
+    """(inner, outer) index of this program when grid axis 0 runs over ``inner x outer`` programs,
+    inner fastest: (tile, sequence) where a grid holds more sequences than axes 1 and 2 allow
+    (65535); (work slot, head) where the programs running at once should be tiles of one head."""
+    inner = tl.num_programs(0) // outer
     program = tl.program_id(0)
-    return program % tiles, program // tiles
+    return program % inner, program // inner
