@@ -70,36 +70,35 @@ def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, s
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-def _kernel_backend(name: str, forward_module: str, backward_module: str, forward_options: dict,
-                    backward_options: dict) -> Backend:
-    """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use); the forward
-    entry points get ``forward_options`` as keywords, the backward ``backward_options``."""
+def _kernel_backend(name: str, forward_module: str, backward_module: str, options: dict) -> Backend:
+    """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use); every entry
+    point gets ``options`` as keywords."""
     fwd = importlib.import_module(f"jagged_attn.kernels.{forward_module}")
     bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
 
     def forward_mx(q, k, v, causal, softmax_scale, out_dtype):
         return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
-                                     **forward_options)
+                                     **options)
 
     def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
         if hasattr(fwd, "attention_forward_hp"):
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-                                            **forward_options)
+                                            **options)
         mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)
         return forward_mx(*mx, causal, softmax_scale, q.dtype)
 
     def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
         return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                      softmax_scale=softmax_scale, deterministic=deterministic, **backward_options)
+                                      softmax_scale=softmax_scale, deterministic=deterministic, **options)
 
     return Backend(name, forward_mx, forward_hp, backward)
 
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward)
-_KERNEL_BACKENDS = {  # name: (forward module, backward module, forward options, backward options)
-    "triton": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}, {"scores": "bf16"}),
-    "triton-fast": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}, {"scores": "fp8"}),
-    "exact": ("exact", "exact", {}, {}),
+_KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both)
+    "triton": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}),
+    "triton-fast": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}),
+    "exact": ("exact", "exact", {}),
 }
 HOPPER_BACKENDS = ("triton", "triton-fast")
 
