@@ -58,9 +58,9 @@ from . import fp8, hopper_bwd_ws
 from .layout import (
     SMALLEST_NORMAL_BYTE,
     grid_split,
+    columns_in_pv_key_order,
     grown_scale_byte,
     padded_seq_start,
-    pv_key_dims,
     scale_byte_of_amax,
     scale_factor,
     scale_inverse,
@@ -71,7 +71,6 @@ from .layout import (
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
 PRODUCER_TILE = 128  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
-PV_KEY_DIMS = tl.constexpr(tuple(pv_key_dims()))
 PRODUCER_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
@@ -185,8 +184,7 @@ def _quantize_kernel(
         transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
         data = tl.trans(data)
         if PV_ORDER:  # the tile is one whole 128-token slot: reorder its columns in registers
-            data = tl.reshape(tl.permute(tl.reshape(data, [HEAD_DIM, 2, 2, 2, 2, 2, 2, 2]), PV_KEY_DIMS.value),
-                              [HEAD_DIM, TILE])
+            data = columns_in_pv_key_order(data)
         tl.store(sequence_ptr + transposed, data)  # the whole slot: zeros past the end
         tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
     if DELTA:

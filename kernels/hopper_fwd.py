@@ -216,7 +216,7 @@ def _attention_forward_kernel(
                                           k_tile_factor, unmasked_end, col_end, BLOCK_N, True, SCORES, INTERPRET)
 
     channels = tl.arange(0, D)
-    v_factor = layout.scale_value(tl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(tl.int32))
+    v_factor = layout.scale_value(tl.load(v_exponent + (kv_head * batch + seq) * D + channels))
     seen = row_sum > 0.0
     inverse_sum = tl.where(seen, 1.0 / tl.where(seen, row_sum, 1.0), 0.0)
     o = acc * inverse_sum[:, None] * v_factor[None, :]

@@ -182,7 +182,7 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
         mbarrier.arrive(kv_empty.index(i % STAGES), count=1)
 
     channels = gl.arange(0, D, layout=o_cols)
-    v_factor = layout.scale_value(gl.load(v_exponent + (kv_head * batch + seq) * D + channels).to(gl.int32))
+    v_factor = layout.scale_value(gl.load(v_exponent + (kv_head * batch + seq) * D + channels))
     seen = row_sum > 0.0
     inverse_sum = gl.where(seen, 1.0 / gl.where(seen, row_sum, 1.0), 0.0)
     o = acc * gl.convert_layout(inverse_sum, o_rows)[:, None] * v_factor[None, :]

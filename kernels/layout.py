@@ -21,7 +21,6 @@ def pv_key_slot(key):
     return (key & ~0xE) | ((key & 0x2) << 1) | ((key & 0x4) << 1) | ((key >> 2) & 0x2)
 
 
-pv_key_slot_jit = triton.jit(pv_key_slot)
 PV_KEY_BITS = 7  # a 128-key tile
 
 
@@ -31,6 +30,20 @@ def pv_key_dims(bits: int = PV_KEY_BITS) -> list[int]:
     column ``c``."""
     source_bit = {pv_key_slot(1 << bit).bit_length() - 1: bit for bit in range(bits)}
     return [0] + [bits - source_bit[bit] for bit in reversed(range(bits))]
+
+
+PV_KEY_DIMS = tl.constexpr(tuple(pv_key_dims()))
+
+
+@triton.jit
+def columns_in_pv_key_order(x):
+    """A ``[rows, 128]`` tile (one whole key tile) with column ``c`` moved to column ``pv_key_slot(c)``,
+    in registers: how the producers store V^T, Q^T and dO^T for the Gluon kernels."""
+    rows: tl.constexpr = x.shape[0]
+    split = tl.reshape(x, [rows, 2, 2, 2, 2, 2, 2, 2])  # PV_KEY_BITS column bits
+    return tl.reshape(tl.permute(split, PV_KEY_DIMS.value), [rows, 128])
+
+
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
 rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)

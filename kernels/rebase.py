@@ -18,8 +18,11 @@ non-reduced index, in a single pass over the data:
   with tokens contiguous, so that P·V reads V K-major. Token ``i`` of sequence ``b`` sits at
   column ``padded_seq_start(offsets[b], b) + i``: every sequence starts 128-aligned, so the
   kernel's loads of it are provably 16-byte aligned, and the columns up to its next multiple of
-  128 hold zeros, so a tile of up to 128 tokens never needs a bounds check. Output: that tensor and the uint8 exponent
-  bytes ``[H, B, D]``.
+  128 hold zeros, so a tile of up to 128 tokens never needs a bounds check. Output: that tensor and the int32 exponent
+  bytes ``[H, B, D]``. Two passes over the tiles in parallel: the first folds each tile's channel
+  maxima into the exponents (atomic max), the second rebases and stores each tile transposed from
+  registers. (One read would need per-(KV tile, channel) factors in the forward's P·V, measured
+  0.71-0.77x its speed on an H200: docs/PERF.md.)
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
 tiled scale buffer) or high-precision values, quantized here with the same numbers as
@@ -39,7 +42,17 @@ from jagged_attn.offsets import padded_total
 from . import fp8, layout
 from .schedule import tile_list
 
-TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE  # whole blocks, so sequence-axis blocks never straddle programs
+# Whole blocks, so sequence-axis blocks never straddle programs; one whole key tile (``layout.PV_KEY_BITS``).
+TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE
+# Launch choices: warps of a feature-axis program (one (128-token tile, head)); channels and warps
+# of a sequence-axis program (each pass: one (128-token tile, head, chunk of channels)), by input:
+# high-precision values (quantized in the pass) or MXFP8 (its bytes read). Measured on an H200
+# (docs/PERF.md, 2026-11-30 07:00-07:11 UTC, scripts/bench_rebase.py and bench.py): from bf16, V's two
+# passes took 329-391 us with 32 channels on 1 warp against 470-578 us with 128 on 4 (bf16 [65536,
+# 16, 128], four batch kinds; 8 or 16 warps slower still); from MXFP8, 32 on 1 made the ads batch's
+# K/V rebasing slower (1.19 ms against 0.90 before this change), so MXFP8 keeps 128 on 4.
+FEATURE_CONFIG = dict(num_warps=4)
+SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 
 
 @triton.jit
@@ -59,7 +72,7 @@ def feature_rows(
 
     ``src`` holds e4m3 data with its tiled ``scales``, or high-precision values quantized here.
     """
-    x = tl.reshape(_load_rows(src, head, start, rows, length, HEADS, D), (BLOCK_T, D // 32, 32))
+    x = tl.reshape(_load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D), (BLOCK_T, D // 32, 32))
     if FROM_HIGH_PRECISION:
         byte = layout.scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
         x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
@@ -125,7 +138,7 @@ def _rebase_feature_kernel(
             HEADS, D, BLOCK_T, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
         )
         group_factor = layout.scale_value(group_byte)
-    tl.store(dst + _row_elements(head, start, rows, HEADS, D), rebased, mask=(rows < length)[:, None])
+    tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased, mask=(rows < length)[:, None])
     tl.store(factor + head.to(tl.int64) * n_groups + groups, group_factor)
 
 
@@ -141,83 +154,93 @@ def _claimed_tile(work, offsets, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _row_elements(head, start, rows, HEADS: tl.constexpr, D: tl.constexpr):
-    """Element offsets ``[len(rows), D]`` of one head at rows ``start + rows`` of ``[total, HEADS, D]``."""
-    return (start + rows)[:, None] * (HEADS * D) + head * D + tl.arange(0, D)[None, :]
+def _row_elements(head, start, rows, channels, HEADS: tl.constexpr, D: tl.constexpr):
+    """Element offsets ``[len(rows), len(channels)]`` of one head at rows ``start + rows`` of ``[total, HEADS, D]``."""
+    return (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
 
 
 @triton.jit
-def _load_rows(src, head, start, rows, length, HEADS: tl.constexpr, D: tl.constexpr):
-    """fp32 ``[len(rows), D]`` of one head at sequence rows ``rows`` (0 past ``length``)."""
-    element = _row_elements(head, start, rows, HEADS, D)
+def _load_rows(src, head, start, rows, channels, length, HEADS: tl.constexpr, D: tl.constexpr):
+    """fp32 ``[len(rows), len(channels)]`` of one head at sequence rows ``rows`` (0 past ``length``)."""
+    element = _row_elements(head, start, rows, channels, HEADS, D)
     return tl.load(src + element, mask=(rows < length)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _sequence_bytes_of_values(x, BLOCK_T: tl.constexpr, D: tl.constexpr, FLOOR: tl.constexpr):
-    """int32 ``[BLOCK_T / 32, D]`` bytes of the 32-token blocks of fp32 rows ``x [BLOCK_T, D]``."""
-    return layout.scale_byte_of_amax(tl.max(tl.abs(tl.reshape(x, (BLOCK_T // 32, 32, D))), axis=1), FLOOR)
+def _sequence_bytes_of_values(x, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FLOOR: tl.constexpr):
+    """int32 ``[BLOCK_T / 32, BLOCK_D]`` bytes of the 32-token blocks of fp32 rows ``x [BLOCK_T, BLOCK_D]``."""
+    return layout.scale_byte_of_amax(tl.max(tl.abs(tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D))), axis=1), FLOOR)
 
 
 @triton.jit
-def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, scale_bytes_per_head, n_col_tiles,
-                                BLOCK_T: tl.constexpr, D: tl.constexpr):
-    """int32 ``[BLOCK_T / 32, D]`` stored bytes of the blocks of rows ``first_row + [0, BLOCK_T)``."""
+def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, channels, scale_bytes_per_head,
+                                n_col_tiles, BLOCK_T: tl.constexpr):
+    """int32 ``[BLOCK_T / 32, len(channels)]`` stored bytes of the blocks of rows ``first_row + [0, BLOCK_T)``."""
     blocks = tl.arange(0, BLOCK_T // 32)
     column = (layout.padded_seq_start(start, seq) + first_row) // 32 + blocks
-    where = layout.scale_byte_offset(tl.arange(0, D)[None, :], column[:, None], n_col_tiles)
+    where = layout.scale_byte_offset(channels[None, :], column[:, None], n_col_tiles)
     in_seq = (first_row + blocks * 32 < length)[:, None]
     return tl.load(scales + head.to(tl.int64) * scale_bytes_per_head + where, mask=in_seq, other=0).to(tl.int32)
 
 
 @triton.jit
+def _claimed_chunk(work, offsets, exponent, batch, BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """:func:`_claimed_tile` of a sequence-axis program (grid: work slot, head, chunk of ``BLOCK_D``
+    channels) with (head, its channels, their ``exponent [H, B, D]`` entries)."""
+    head = tl.program_id(1)
+    seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
+    channels = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    entries = exponent + (head.to(tl.int64) * batch + tl.maximum(seq, 0)) * D + channels
+    return seq, tile, start, length, rows, head, channels, entries
+
+
+@triton.jit
 def _sequence_exponent_kernel(
-    src, scales, offsets, exponent, batch, scale_bytes_per_head, n_col_tiles,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    src, scales, offsets, work, exponent, batch, scale_bytes_per_head, n_col_tiles,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr,
 ):
-    """exponent[head, seq, :] = the largest block byte of each channel over the sequence."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    start, length = layout.sequence_span(offsets, seq)
-    largest = tl.zeros((D,), dtype=tl.int32)
-    for first_row in range(0, length, BLOCK_T):
-        if FROM_HIGH_PRECISION:
-            rows = first_row + tl.arange(0, BLOCK_T)
-            byte = _sequence_bytes_of_values(_load_rows(src, head, start, rows, length, HEADS, D), BLOCK_T, D, FLOOR)
-        else:
-            byte = _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, scale_bytes_per_head,
-                                               n_col_tiles, BLOCK_T, D)
-        largest = tl.maximum(largest, tl.max(byte, axis=0))
-    channels = tl.arange(0, D)
-    tl.store(exponent + (head.to(tl.int64) * batch + seq) * D + channels, largest.to(tl.uint8))
+    """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
+    (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone)."""
+    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch,
+                                                                             BLOCK_T, D, BLOCK_D)
+    if seq < 0:
+        return
+    if FROM_HIGH_PRECISION:
+        x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
+        largest = layout.scale_byte_of_amax(tl.max(tl.abs(x), axis=0), FLOOR)
+    else:
+        largest = tl.max(_sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
+                                                     scale_bytes_per_head, n_col_tiles, BLOCK_T), axis=0)
+    tl.atomic_max(entries, largest, sem="relaxed")
 
 
 @triton.jit
 def _rebase_sequence_kernel(
     src, scales, offsets, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, PV_KEY_ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    head = tl.program_id(1)
-    seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
+    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch,
+                                                                             BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
-    x = _load_rows(src, head, start, rows, length, HEADS, D)
+    x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
     if FROM_HIGH_PRECISION:
-        byte = _sequence_bytes_of_values(x, BLOCK_T, D, FLOOR)
-        x = quantize_on_bytes(tl.reshape(x, (BLOCK_T // 32, 32, D)), byte[:, None, :], INTERPRET)
+        byte = _sequence_bytes_of_values(x, BLOCK_T, BLOCK_D, FLOOR)
+        x = quantize_on_bytes(tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D)), byte[:, None, :], INTERPRET)
     else:
-        byte = _sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, scale_bytes_per_head,
-                                           n_col_tiles, BLOCK_T, D)
-        x = tl.reshape(x, (BLOCK_T // 32, 32, D))
-    channels = tl.arange(0, D)
-    channel_byte = tl.load(exponent + (head.to(tl.int64) * batch + seq) * D + channels).to(tl.int32)
-    rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, channel_byte[None, :])[:, None, :], INTERPRET)
-    padded_rows = layout.padded_seq_start(start, seq) + (layout.pv_key_slot_jit(rows) if PV_KEY_ORDER else rows)
-    transposed = (head.to(tl.int64) * D + channels[None, :]) * t_pad + padded_rows[:, None]
-    # Rows past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
-    tl.store(dst + transposed, tl.reshape(rebased, (BLOCK_T, D)))
+        byte = _sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
+                                           scale_bytes_per_head, n_col_tiles, BLOCK_T)
+        x = tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D))
+    rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, tl.load(entries)[None, :])[:, None, :], INTERPRET)
+    # Transposed in registers, so that each channel's tokens are stored contiguously.
+    data = tl.trans(tl.reshape(rebased, (BLOCK_T, BLOCK_D)))
+    if PV_KEY_ORDER:
+        data = layout.columns_in_pv_key_order(data)
+    columns = layout.padded_seq_start(start, seq) + rows
+    # Columns past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
+    tl.store(dst + (head.to(tl.int64) * D + channels[:, None]) * t_pad + columns[None, :], data)
 
 
 def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
@@ -246,7 +269,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
             HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, GROUP=group, FROM_HIGH_PRECISION=mx is None,
-            FLOOR=rounding == "floor", EXACT=exact, INTERPRET=fp8.INTERPRETED,
+            FLOOR=rounding == "floor", EXACT=exact, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
         )
     return data, factor
 
@@ -256,18 +279,21 @@ def _rebase_sequence(values, offsets, mx, rounding, work, pv_key_order=False):
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
     transposed = torch.empty(heads, dim, t_pad, dtype=torch.float8_e4m3fn, device=values.device)
-    exponent = torch.empty(heads, batch, dim, dtype=torch.uint8, device=values.device)
+    exponent = torch.zeros(heads, batch, dim, dtype=torch.int32, device=values.device)
     scales, per_head, col_tiles = scale_args(mx, "sequence", total, batch, dim, values.device)
     common = dict(HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
                   FLOOR=rounding == "floor")
-    if batch:
-        _sequence_exponent_kernel[(batch, heads)](
-            values, scales, offsets, exponent, batch, per_head, col_tiles, **common
-        )
     if work.shape[0]:
-        _rebase_sequence_kernel[(work.shape[0], heads)](
+        config = SEQUENCE_CONFIGS["values" if mx is None else "mxfp8"]
+        if dim % config["BLOCK_D"]:
+            config = dict(config, BLOCK_D=dim)
+        grid = (work.shape[0], heads, dim // config["BLOCK_D"])
+        _sequence_exponent_kernel[grid](
+            values, scales, offsets, work, exponent, batch, per_head, col_tiles, **common, **config
+        )
+        _rebase_sequence_kernel[grid](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
-            PV_KEY_ORDER=pv_key_order, INTERPRET=fp8.INTERPRETED, **common,
+            PV_KEY_ORDER=pv_key_order, INTERPRET=fp8.INTERPRETED, **common, **config,
         )
     return transposed, exponent
 
@@ -293,13 +319,13 @@ def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, roundin
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, padded_total]``, tokens contiguous at
-    their padded rows, on one exponent per (sequence, head, channel); uint8 exponent bytes ``[H, B, D]``)."""
+    their padded rows, on one exponent per (sequence, head, channel); int32 exponent bytes ``[H, B, D]``)."""
     return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding, _tiles(mx.offsets, mx.total))
 
 
 def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil"):
     """Like ``rebase_sequence(quantize_mxfp8(values, offsets, axis="sequence", rounding=rounding))``,
-    reading bf16/fp16/fp32 ``values [total, H, D]`` twice (exponents, then data)."""
+    reading bf16/fp16/fp32 ``values [total, H, D]`` twice (exponents, then data: see the module docstring)."""
     rounding = mx_format.check_rounding(rounding)
     return _rebase_sequence(values, offsets, None, rounding, _tiles(offsets, values.shape[0]))
 

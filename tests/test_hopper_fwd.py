@@ -19,7 +19,8 @@ import torch
 
 from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
-from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, sequence_ids
+from jagged_attn.mxfp8 import element_scale_bytes
+from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_seq_start, sequence_ids
 from compile_util import compile_ptx, descriptor_type
 
 O_TOLERANCE = 1e-2  # relative L2 of O against the reference on the same MXFP8 inputs
@@ -98,17 +99,41 @@ def test_rebase_feature_is_mx_values(poisoned):
             assert torch.equal(hp_factor[:, rows // group], factor[:, rows // group])
 
 
-def test_rebase_sequence_is_mx_values_transposed(poisoned):
-    _, _, v, _, offsets = make_inputs([1], [0, 1, 31, 32, 33, 129], 1, 2, 64, "heavy_tailed")
-    mx = quantize_mxfp8(v, offsets, axis="sequence", rounding="floor")
+@pytest.mark.parametrize("rounding, channels_per_program", [("floor", None), ("rceil", None), ("rceil", 32)])
+def test_rebase_sequence_matches_a_torch_oracle(poisoned, monkeypatch, rounding, channels_per_program):
+    """Each (head, sequence, channel) exponent is its largest block byte; each MX element is shifted
+    onto it and rounded to e4m3 (bit-exact), stored transposed at its token's padded column, every
+    other column of the sequence's slots zero; quantizing from bf16 in the same passes gives the same
+    bytes. Also with programs over chunks of the channels."""
+    if channels_per_program:
+        chunked = dict(BLOCK_D=channels_per_program, num_warps=2)
+        monkeypatch.setattr(rebase, "SEQUENCE_CONFIGS", {"values": chunked, "mxfp8": chunked})
+    lengths = [0, 1, 31, 32, 33, 129, 300]
+    _, _, v, _, offsets = make_inputs([1], lengths, 1, 2, 64, "heavy_tailed")
+    mx = quantize_mxfp8(v, offsets, axis="sequence", rounding=rounding)
     transposed, exponent = rebase.rebase_sequence(mx)
+
+    heads, dim = v.shape[1:]
+    byte = element_scale_bytes(mx)  # [total, H, D]
     seq = sequence_ids(offsets, v.shape[0])
+    expected_exponent = torch.zeros(heads, len(lengths), dim, dtype=torch.int64)
+    for b in range(len(lengths)):
+        if lengths[b]:
+            expected_exponent[:, b] = byte[offsets[b]:offsets[b + 1]].amax(dim=0)
+    assert exponent.dtype == torch.int32 and torch.equal(exponent.long(), expected_exponent)
+
+    shift = torch.exp2((byte - expected_exponent[:, seq].permute(1, 0, 2)).double())  # <= 1, exact
+    expected = torch.zeros(transposed.shape)
     rows = padded_rows_of_tokens(offsets, seq)
-    factor = torch.exp2(exponent.float() - 127)[:, seq, :]  # [H, total, D]
-    values = transposed[:, :, rows].float().permute(2, 0, 1) * factor.permute(1, 0, 2)
-    assert relative_l2(values, mx.dequantize()) < 1e-2
-    hp_transposed, hp_exponent = rebase.quantize_rebase_sequence(v, offsets, rounding="floor")
-    assert torch.equal(hp_transposed[:, :, rows].float(), transposed[:, :, rows].float())
+    expected[:, :, rows] = (mx.data.double() * shift).float().to(torch.float8_e4m3fn).float().permute(1, 2, 0)
+    # The contract covers each sequence's whole 128-column tiles (a KV tile may overrun the sequence).
+    tiles = [range(padded_seq_start(int(offsets[b]), b), padded_seq_start(int(offsets[b]), b) + -(-n // 128) * 128)
+             for b, n in enumerate(lengths)]
+    columns = torch.tensor([c for span in tiles for c in span])
+    assert torch.equal(transposed.float()[:, :, columns], expected[:, :, columns])
+
+    hp_transposed, hp_exponent = rebase.quantize_rebase_sequence(v, offsets, rounding=rounding)
+    assert torch.equal(hp_transposed.view(torch.uint8), transposed.view(torch.uint8))
     assert torch.equal(hp_exponent, exponent)
 
 
@@ -173,7 +198,7 @@ def _kernel_signature(out_type):
         k="*fp8e4nv",
         k_factor="*fp32",
         vt="*fp8e4nv",
-        v_exponent="*u8",
+        v_exponent="*i32",
         out=out_type,
         lse="*fp32",
         offsets_q="*i32",
@@ -382,7 +407,7 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     q_desc, k_desc, vt_desc = (descriptor_type(d) for d in descriptors)
     signature = dict(
         q_desc=q_desc, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
-        v_exponent="*u8", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32",
+        v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32",
         scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32",
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
