@@ -3,7 +3,8 @@
 For bf16 K and V ``[tokens, heads, dim]`` in four batches of the same token count (dense 8
 sequences, one long sequence, ragged lengths up to 4096, 256-token sequences) it times, as ``hopper_fwd_ws`` calls them:
 K's feature rebase (exact: bf16 copies of the MX values; fp8: e4m3 on one exponent per KV tile) and
-V's sequence rebase (both passes: exponents, then the transposed e4m3).
+V's sequence rebase (both passes: exponents, then the transposed e4m3), from the bf16 values and
+from their MXFP8 form (``quantize_mxfp8``: e4m3 data and tiled scales read instead).
 GB/s = (input bytes read once + bytes written) / time, against a device-to-device copy that reads
 and writes the same total in the same run (the V rebase reads its input twice: its share of
 copy speed can reach ~3/5 at most). Median of ``triton.testing.do_bench``.
@@ -12,8 +13,8 @@ copy speed can reach ~3/5 at most). Median of ``triton.testing.do_bench``.
                                     [--sequence-configs 128:4 64:4 32:4]
 
 ``--feature-warps`` and ``--sequence-configs`` (``channels:warps``) time other launch choices of
-the same kernels (``rebase.FEATURE_CONFIG``, ``rebase.SEQUENCE_CONFIGS["values"]``), checked bit for
-bit against the default's output. Prints one table; seconds on an H200.
+the same kernels (``rebase.FEATURE_CONFIG``; ``rebase.SEQUENCE_CONFIGS``, the entry of the input's
+kind), checked bit for bit against the default's output. Prints one table; seconds on an H200.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import torch
 import triton
 from bench_rmsnorm_quantize import copy_ms, median_ms, nbytes, ragged_offsets
+from jagged_attn import quantize_mxfp8
 from jagged_attn.kernels import rebase
 
 BLOCK_N = 128  # the Gluon forward's KV tile: one K exponent per tile
@@ -61,34 +63,44 @@ def timed(producer, config_name: str, config: dict, expected=None):
         setattr(rebase, config_name, default)
 
 
+def sequence_configs(args, kind: str) -> list:
+    """(config name, SEQUENCE_CONFIGS with ``kind``'s entry replaced, label) for each ``--sequence-configs``
+    entry, the default first."""
+    default = rebase.SEQUENCE_CONFIGS[kind]
+    specs = [f"{default['BLOCK_D']}:{default['num_warps']}", *args.sequence_configs]
+    return [("SEQUENCE_CONFIGS", {**rebase.SEQUENCE_CONFIGS, kind: dict(BLOCK_D=int(c), num_warps=int(w))},
+             f"{c} ch, {w} warps") for c, w in dict.fromkeys(tuple(spec.split(":")) for spec in specs)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--feature-warps", type=int, nargs="+", default=[rebase.FEATURE_CONFIG["num_warps"]])
-    default_sequence = rebase.SEQUENCE_CONFIGS["values"]
-    parser.add_argument("--sequence-configs", nargs="+",
-                        default=[f"{default_sequence['BLOCK_D']}:{default_sequence['num_warps']}"])
+    parser.add_argument("--sequence-configs", nargs="+", default=[])
     args = parser.parse_args()
     k, v = (torch.randn(args.tokens, args.heads, args.dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"K, V bf16 {tuple(k.shape)} = {nbytes(k) / 2**30:.3f} GiB each; * = default")
     feature = [("FEATURE_CONFIG", dict(num_warps=w), f"{w} warps") for w in args.feature_warps]
-    sequence = [("SEQUENCE_CONFIGS", {**rebase.SEQUENCE_CONFIGS, "values": dict(BLOCK_D=int(c), num_warps=int(w))},
-                 f"{c} ch, {w} warps") for c, w in (spec.split(":") for spec in args.sequence_configs)]
     rows = []
     for name, offsets in batches(args.tokens).items():
         offsets = offsets.cuda()
+        mk, mv = quantize_mxfp8(k, offsets), quantize_mxfp8(v, offsets, axis="sequence")
         producers = (
-            ("K feature, exact", k, lambda: rebase.quantize_rebase_feature(k, offsets, group=BLOCK_N, exact=True),
+            ("K feature, exact", (k,), lambda: rebase.quantize_rebase_feature(k, offsets, group=BLOCK_N, exact=True),
              feature),
-            ("K feature, fp8", k, lambda: rebase.quantize_rebase_feature(k, offsets, group=BLOCK_N), feature),
-            ("V sequence, 2 passes", v, lambda: rebase.quantize_rebase_sequence(v, offsets), sequence),
+            ("K feature, fp8", (k,), lambda: rebase.quantize_rebase_feature(k, offsets, group=BLOCK_N), feature),
+            ("V sequence", (v,), lambda: rebase.quantize_rebase_sequence(v, offsets), sequence_configs(args, "values")),
+            ("K feature, MX, exact", (mk.data, mk.scales), lambda: rebase.rebase_feature(mk, BLOCK_N, exact=True),
+             feature),
+            ("V sequence, MX", (mv.data, mv.scales), lambda: rebase.rebase_sequence(mv),
+             sequence_configs(args, "mxfp8")),
         )
-        for what, source, producer, configs in producers:
+        for what, sources, producer, configs in producers:
             expected = output_bytes(producer)
-            moved = nbytes(source) + sum(t.numel() for t in expected)
+            moved = nbytes(*sources) + sum(t.numel() for t in expected)
             copy = copy_ms(moved)
             for config_name, config, label in configs:
                 ms, _ = timed(producer, config_name, config, expected)

@@ -108,7 +108,7 @@ def test_rebase_sequence_matches_a_torch_oracle(poisoned, monkeypatch, rounding,
     if channels_per_program:
         chunked = dict(BLOCK_D=channels_per_program, num_warps=2)
         monkeypatch.setattr(rebase, "SEQUENCE_CONFIGS", {"values": chunked, "mxfp8": chunked})
-    lengths = [0, 1, 31, 32, 33, 129, 300]
+    lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
     _, _, v, _, offsets = make_inputs([1], lengths, 1, 2, 64, "heavy_tailed")
     mx = quantize_mxfp8(v, offsets, axis="sequence", rounding=rounding)
     transposed, exponent = rebase.rebase_sequence(mx)
