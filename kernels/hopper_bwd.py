@@ -57,8 +57,8 @@ from jagged_attn.offsets import max_length, padded_total
 from . import fp8, hopper_bwd_ws
 from .layout import (
     SMALLEST_NORMAL_BYTE,
-    grid_split,
     columns_in_pv_key_order,
+    grid_split,
     grown_scale_byte,
     padded_seq_start,
     scale_byte_of_amax,

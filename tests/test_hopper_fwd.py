@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
@@ -99,21 +100,14 @@ def test_rebase_feature_is_mx_values(poisoned):
             assert torch.equal(hp_factor[:, rows // group], factor[:, rows // group])
 
 
-@pytest.mark.parametrize("rounding, channels_per_program", [("floor", None), ("rceil", None), ("rceil", 32)])
-def test_rebase_sequence_matches_a_torch_oracle(poisoned, monkeypatch, rounding, channels_per_program):
+def check_rebase_sequence(lengths, heads, dim, rounding):
     """Each (head, sequence, channel) exponent is its largest block byte; each MX element is shifted
     onto it and rounded to e4m3 (bit-exact), stored transposed at its token's padded column, every
-    other column of the sequence's slots zero; quantizing from bf16 in the same passes gives the same
-    bytes. Also with programs over chunks of the channels."""
-    if channels_per_program:
-        chunked = dict(BLOCK_D=channels_per_program, num_warps=2)
-        monkeypatch.setattr(rebase, "SEQUENCE_CONFIGS", {"values": chunked, "mxfp8": chunked})
-    lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
-    _, _, v, _, offsets = make_inputs([1], lengths, 1, 2, 64, "heavy_tailed")
+    other column of the sequence's slots zero; quantizing from bf16 in the same passes gives the same bytes."""
+    _, _, v, _, offsets = make_inputs([1], lengths, 1, heads, dim, "heavy_tailed")
     mx = quantize_mxfp8(v, offsets, axis="sequence", rounding=rounding)
     transposed, exponent = rebase.rebase_sequence(mx)
 
-    heads, dim = v.shape[1:]
     byte = element_scale_bytes(mx)  # [total, H, D]
     seq = sequence_ids(offsets, v.shape[0])
     expected_exponent = torch.zeros(heads, len(lengths), dim, dtype=torch.int64)
@@ -129,12 +123,28 @@ def test_rebase_sequence_matches_a_torch_oracle(poisoned, monkeypatch, rounding,
     # The contract covers each sequence's whole 128-column tiles (a KV tile may overrun the sequence).
     tiles = [range(padded_seq_start(int(offsets[b]), b), padded_seq_start(int(offsets[b]), b) + -(-n // 128) * 128)
              for b, n in enumerate(lengths)]
-    columns = torch.tensor([c for span in tiles for c in span])
+    columns = torch.tensor([c for span in tiles for c in span], dtype=torch.int64)
     assert torch.equal(transposed.float()[:, :, columns], expected[:, :, columns])
 
     hp_transposed, hp_exponent = rebase.quantize_rebase_sequence(v, offsets, rounding=rounding)
-    assert torch.equal(hp_transposed.view(torch.uint8), transposed.view(torch.uint8))
+    assert torch.equal(hp_transposed.view(torch.uint8)[:, :, columns], transposed.view(torch.uint8)[:, :, columns])
     assert torch.equal(hp_exponent, exponent)
+
+
+@pytest.mark.parametrize("rounding, channels_per_program", [("floor", None), ("rceil", None), ("rceil", 32)])
+def test_rebase_sequence_matches_a_torch_oracle(poisoned, monkeypatch, rounding, channels_per_program):
+    """:func:`check_rebase_sequence` on the edge lengths, also with programs over chunks of the channels."""
+    if channels_per_program:
+        chunked = dict(BLOCK_D=channels_per_program, num_warps=2)
+        monkeypatch.setattr(rebase, "SEQUENCE_CONFIGS", {"values": chunked, "mxfp8": chunked})
+    check_rebase_sequence([0, 1, 31, 32, 33, 127, 128, 129, 300], 2, 64, rounding)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(0, 400), min_size=1, max_size=5), heads=st.integers(1, 2),
+       dim=st.sampled_from([32, 64]), rounding=st.sampled_from(["floor", "rceil"]))
+def test_rebase_sequence_on_random_ragged_batches(poisoned, lengths, heads, dim, rounding):
+    check_rebase_sequence(lengths, heads, dim, rounding)
 
 
 CPU_CASES = [
