@@ -2,7 +2,7 @@
 
 A GEMM can only factor a scale out of its fp32 result if the scale is constant along the
 reduction (DESIGN.md section 6). So each operand is re-expressed on one exponent per
-non-reduced index, in a single pass over the data:
+non-reduced index, in one pass over the data (two for the sequence axis):
 
 * feature axis (Q, K): the D/32 block exponents of a group of tokens (one token for Q; one KV
   tile for K, so its factor is a scalar per tile) are replaced by their maximum ``e_grp``;
@@ -18,11 +18,11 @@ non-reduced index, in a single pass over the data:
   with tokens contiguous, so that P·V reads V K-major. Token ``i`` of sequence ``b`` sits at
   column ``padded_seq_start(offsets[b], b) + i``: every sequence starts 128-aligned, so the
   kernel's loads of it are provably 16-byte aligned, and the columns up to its next multiple of
-  128 hold zeros, so a tile of up to 128 tokens never needs a bounds check. Output: that tensor and the int32 exponent
-  bytes ``[H, B, D]``. Two passes over the tiles in parallel: the first folds each tile's channel
-  maxima into the exponents (atomic max), the second rebases and stores each tile transposed from
-  registers. (One read would need per-(KV tile, channel) factors in the forward's P·V, measured
-  0.71-0.77x its speed on an H200: docs/PERF.md.)
+  128 hold zeros, so a tile of up to 128 tokens never needs a bounds check. Output: that tensor
+  and the int32 exponent bytes ``[H, B, D]``. Two passes over the tiles in parallel: the first
+  folds each tile's channel maxima into the exponents (atomic max), the second rebases and stores
+  each tile transposed from registers. (One read would need per-(KV tile, channel) factors in the
+  forward's P·V, measured 0.71-0.77x its speed on an H200: docs/PERF.md.)
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
 tiled scale buffer) or high-precision values, quantized here with the same numbers as
