@@ -22,7 +22,6 @@ Scale placement comes from ``jagged_attn.kernels.layout`` (the owner modules' fo
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -34,6 +33,9 @@ from jagged_attn.offsets import max_length
 
 from . import fp8
 from .layout import (
+    LN2,
+    LOG2E,
+    P_SCALE,
     grid_split,
     padded_seq_start,
     scale_byte_of_amax,
@@ -43,10 +45,7 @@ from .layout import (
 )
 
 MX_BLOCK = tl.constexpr(mx_format.BLOCK_SIZE)
-P_STATIC_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
 P_SCALE_BYTE = tl.constexpr(mx_format.E8M0_BIAS - mx_format.P_STATIC_EXP)
-LOG2E = tl.constexpr(1.0 / math.log(2.0))
-LN2 = tl.constexpr(math.log(2.0))
 
 # sm_100's block-scaled MMA needs 128-row A tiles: every dot_scaled below has M = 128.
 BLOCK_M = 128
@@ -202,7 +201,7 @@ def forward_kernel(
         row_sum += tl.sum(p, axis=1)
         v = load_tokens(v_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
         v_scale = sequence_scales(v_scales, k_padded, first_key, v_col_tiles, D, BLOCK_N)
-        p8 = fp8.to_e4m3(p * P_STATIC_SCALE, INTERPRET)
+        p8 = fp8.to_e4m3(p * P_SCALE, INTERPRET)
         acc = tl.dot_scaled(p8, p_scale, "e4m3", v, v_scale, "e4m3", acc)
 
     seen = row_sum > 0
@@ -420,7 +419,7 @@ def dkdv_kernel(
             do_seq_scale = sequence_scales(
                 do_seq_scales + head * q_sequence_head_bytes, q_padded, first_row, q_col_tiles, D, BLOCK_M
             )
-            p8_t = fp8.to_e4m3(p_t * P_STATIC_SCALE, INTERPRET)
+            p8_t = fp8.to_e4m3(p_t * P_SCALE, INTERPRET)
             dv = tl.dot_scaled(p8_t, p_scale, "e4m3", do_seq, do_seq_scale, "e4m3", dv)
 
             q_seq = load_tokens(q_seq_ptr, q_start, rows, len_q, head, heads_q, D)

@@ -44,18 +44,18 @@ by 3e-2 to 2e-1 (docs/PERF.md, v6); the Triton kernels run in the CPU interprete
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jagged_attn.mx_format import P_STATIC_EXP
 from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8, hopper_bwd_ws
 from .layout import (
+    LOG2E,
+    P_SCALE,
     SMALLEST_NORMAL_BYTE,
     columns_in_pv_key_order,
     grid_split,
@@ -68,8 +68,6 @@ from .layout import (
     sequence_span,
 )
 
-LOG2E = tl.constexpr(1.0 / math.log(2.0))
-P_SCALE = tl.constexpr(2.0**P_STATIC_EXP)  # P is cast to e4m3 as P * 2^8 (static scale)
 PRODUCER_TILE = 128  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
 PRODUCER_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than

@@ -34,7 +34,6 @@ Measured on an H200 (docs/PERF.md, v6): exact S 1.6x the Triton kernel's speed, 
 """
 from __future__ import annotations
 
-import math
 
 import torch
 from triton._C.libtriton import ir
@@ -50,7 +49,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from jagged_attn import mx_format
 from jagged_attn.offsets import padded_rows_of_tokens, sequence_ids
 
 from . import layout
@@ -61,8 +59,6 @@ KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
 BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per program
 BLOCK_M = gl.constexpr(64)  # queries per stage
-LOG2E = gl.constexpr(1.0 / math.log(2.0))
-P_SCALE = gl.constexpr(2.0**mx_format.P_STATIC_EXP)
 QUERY_DIMS = gl.constexpr(layout.pv_key_dims(BLOCK_M.value.bit_length() - 1))
 # Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these).
 Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
@@ -228,7 +224,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     k_factor = gl.load(k_scale + key_scales, mask=keys < len_k, other=0.0)
     # dS is formed times both token scales (hopper_bwd): dS' = P (dP k v_f do_f - k q Delta), the
     # key factors per row here, the query factors per column in the loop.
-    k_score_factor = k_factor * (softmax_scale * LOG2E)
+    k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
     k_dp_factor = k_factor * gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
     causal_shift = len_k - len_q
     # Steps whose query tile some key of the program does not see (causal), or all of them
@@ -278,7 +274,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         q_dp_factor = q_factor * row_smem.index(rows + DO_FACTOR).load(s_cols)
         q_delta = q_factor * row_smem.index(rows + DELTA).load(s_cols)
         ds = p * (dp * k_dp_factor[:, None] * q_dp_factor[None, :] - k_factor[:, None] * q_delta[None, :])
-        p8 = _as_query_operand((p * P_SCALE).to(gl.float8e4nv), a_layout)
+        p8 = _as_query_operand((p * layout.P_SCALE).to(gl.float8e4nv), a_layout)
         ds_byte, rescale = layout.grown_scale_byte(gl.max(gl.max(gl.abs(ds), axis=1), axis=0), ds_byte)
         ds8 = (ds * layout.scale_factor(ds_byte)).to(gl.float8e4nv)
 
@@ -303,7 +299,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     key_in = key_rows < len_k
     sequence_scales = (kv_head * batch + seq) * D + channels
     dk_scale = gl.load(qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
-    dv_scale = gl.load(dot_scale + sequence_scales) * (1.0 / P_SCALE)
+    dv_scale = gl.load(dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
     k_row_factor = gl.load(k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows, mask=key_in, other=0.0)
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
     out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]

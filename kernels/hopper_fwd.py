@@ -25,13 +25,11 @@ interpreter executes (CI) and serves the other configurations.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged
 
 from . import fp8, hopper_fwd_ws, layout
@@ -44,9 +42,6 @@ from .rebase import (
 )
 from .schedule import work_list
 
-LOG2E = 1.0 / math.log(2.0)
-LN2 = tl.constexpr(math.log(2.0))
-P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)
 SCORE_MODES = ("fp8", "fp8-promoted", "bf16")
 SCORE_ACC_STEP = tl.constexpr(32)  # k step at which SCORES="fp8-promoted" adds partial sums in fp32
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
@@ -109,7 +104,7 @@ def _attend_tiles(
             s = tl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
         new_max = tl.maximum(row_max, tl.ceil(tl.max(s, axis=1)))
         alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(s - (new_max - P_STATIC_EXP)[:, None])
+        p = tl.exp2(s - (new_max - layout.P_STATIC_EXP)[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         if INTERPRET:
             p = fp8.snap_to_e4m3_grid(p)
@@ -226,7 +221,7 @@ def _attention_forward_kernel(
         o.to(out.dtype.element_ty),
         mask=in_seq[:, None],
     )
-    log_sum = (row_max - P_STATIC_EXP + tl.log2(tl.where(seen, row_sum, 1.0))) * LN2
+    log_sum = (row_max - layout.P_STATIC_EXP + tl.log2(tl.where(seen, row_sum, 1.0))) * layout.LN2
     tl.store(lse + tokens * HEADS_Q + head, tl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 
@@ -269,7 +264,7 @@ def _forward(
             offsets_q,
             offsets_k,
             work,
-            softmax_scale * LOG2E,
+            softmax_scale * layout.LOG2E.value,
             q_per_head,
             q_col_tiles,
             k_factor.shape[1],

@@ -28,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from jagged_attn import mx_format
 
 from . import layout
 from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
@@ -38,10 +37,7 @@ from .tma import operand_descriptor
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONSUMERS = gl.constexpr(2)
 BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
-LN2 = gl.constexpr(math.log(2.0))
-P_STATIC_EXP = gl.constexpr(mx_format.P_STATIC_EXP)
 FINITE_FLOOR = gl.constexpr(-1.0e30)
-PV_KEY_DIMS = gl.constexpr(layout.pv_key_dims())
 
 SCORE_MODES = ("fp8", "bf16")
 HEAD_DIMS = (64, 128)
@@ -99,7 +95,7 @@ def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0
         s = gl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
     new_max = gl.maximum(row_max, gl.ceil(gl.max(s, axis=1) * scale))
     alpha = gl.exp2(row_max - new_max)
-    p = gl.exp2(gl.fma(s, scale[:, None], (P_STATIC_EXP - new_max)[:, None]))
+    p = gl.exp2(gl.fma(s, scale[:, None], (layout.P_STATIC_EXP - new_max)[:, None]))
     return p, alpha, new_max, row_sum * alpha + gl.sum(p, axis=1)
 
 
@@ -108,7 +104,7 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
     """P (fp32, S's accumulator layout) as the fp8 A operand of P·V, with no data movement: the
     column bits are reordered as ``layout.pv_key_slot`` orders the keys of V^T."""
     keys = p.to(gl.float8e4nv).reshape([p.shape[0], 2, 2, 2, 2, 2, 2, 2])
-    keys = keys.permute(PV_KEY_DIMS.value).reshape([p.shape[0], p.shape[1]])
+    keys = keys.permute(layout.PV_KEY_DIMS.value).reshape([p.shape[0], p.shape[1]])
     return gl.convert_layout(keys, p_layout, assert_trivial=True)
 
 
@@ -190,7 +186,7 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     o_in_seq = gl.convert_layout(in_seq, o_rows)
     gl.store(out + (o_token * HEADS_Q + head)[:, None] * D + channels[None, :], o.to(out.dtype.element_ty),
              mask=o_in_seq[:, None])
-    log_sum = (row_max - P_STATIC_EXP + gl.log2(gl.where(seen, row_sum, 1.0))) * LN2
+    log_sum = (row_max - layout.P_STATIC_EXP + gl.log2(gl.where(seen, row_sum, 1.0))) * layout.LN2
     gl.store(lse + (q_start + rows) * HEADS_Q + head, gl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 

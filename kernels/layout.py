@@ -4,12 +4,19 @@ Kernels import these instead of re-deriving offsets: ``triton.jit`` wraps the ve
 torch front end calls (they are plain integer arithmetic), so there is one source of truth.
 """
 
+import math
+
 import triton
 import triton.language as tl
 
 from jagged_attn import mx_format, offsets, scale_layout
 
 padded_seq_start = triton.jit(offsets.padded_seq_start)
+# Constants of the attention math every kernel shares (``gl.constexpr`` is the same type).
+LOG2E = tl.constexpr(1.0 / math.log(2.0))
+LN2 = tl.constexpr(math.log(2.0))
+P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)  # P is cast to e4m3 as P * 2^P_STATIC_EXP
+P_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
 
 
 def pv_key_slot(key):
