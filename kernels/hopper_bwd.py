@@ -95,6 +95,16 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _producer_program(offsets_ptr, batch):
+    """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (tiles x
+    sequences, heads); a tile at or past the sequence's length has nothing to do."""
+    tile, b = grid_split(batch)
+    h = tl.program_id(1)
+    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    return tile, b, h, seq_start, seq_len
+
+
+@triton.jit
 def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
     """fp32 tile ``[TILE, D]`` of the sequence at ``seq_start``, head ``h`` (zeros past its end), its
     natural offsets, its token rows inside the sequence and the in-sequence mask."""
@@ -128,9 +138,7 @@ def _sequence_amax_kernel(
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
     non-negative floats order like their bits."""
-    tile, b = grid_split(batch)
-    h = tl.program_id(1)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, batch)
     if tile * TILE >= seq_len:
         return
     x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
@@ -159,9 +167,7 @@ def _quantize_kernel(
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key).
     """
-    tile, b = grid_split(batch)
-    h = tl.program_id(1)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, batch)
     if tile * TILE >= seq_len:
         return
     x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
@@ -460,9 +466,7 @@ def _finish_dq_kernel(
     """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
-    tile, b = grid_split(batch)
-    h = tl.program_id(1)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, batch)
     if tile * TILE >= seq_len:
         return
     sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
