@@ -1,17 +1,19 @@
 """Varlen MXFP8 attention backward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
 
-Each program owns a 128-key tile of one (sequence, KV head). A loader warp streams, for every
-64-row query tile of every query head of the KV head's group, the query-side operands into a
-ring of shared-memory stages with TMA: Q and dO on the feature axis, Q^T and dO^T on the sequence
-axis, and the per-query vectors (token scales, lse2, Delta). Two consumer warpgroups, 64 keys
-each, run per stage::
+Each program owns a 128-key tile of one (sequence, KV head). The default warpgroup streams, for
+every 64-row query tile of every query head of the KV head's group, the query-side operands into
+a ring of shared-memory stages with TMA (Q and dO on the feature axis, Q^T and dO^T on the
+sequence axis, and the per-query vectors: token scales, lse2, Delta) and computes dQ. Two
+consumer warpgroups, 64 keys each, run per stage::
 
     S^T = K Q^T,  dP^T = V dO^T                (bf16 or FP8 wgmma, fp32 in registers)
     P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta)
     dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
-    dQ_partial = dS K                          (dS of both warpgroups through shared memory; each
-                                                warpgroup adds half the head dimension to global
-                                                memory with TMA bulk reduce-adds from shared memory)
+
+and publish dS (transposed, e4m3) in shared memory; the default warpgroup then forms the tile's
+dQ partial = dS K over both consumers' keys, 32 columns at a time, and adds it to global memory
+with TMA bulk reduce-adds. So the consumers never wait for each other (v6 coupled them through
+the per-step dS exchange, each computing half of dQ).
 
 P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
 shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
@@ -68,10 +70,11 @@ HEAD_DIMS = (64, 128)
 
 
 def tile_config(head_dim: int) -> dict:
-    """Pipeline depth and the registers of the loader warp and the consumer warpgroups."""
+    """Pipeline depth and the registers of the consumer warpgroups (the default warpgroup, loads and
+    dQ, gets the rest of the register file)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"no configuration for head_dim={head_dim}")
-    return dict(STAGES=2, LOADER_REGS=24, CONSUMER_REGS=240)
+    return dict(STAGES=2, CONSUMER_REGS=224)
 
 
 @gluon.jit
@@ -95,22 +98,21 @@ def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transpose
 
 
 @gluon.jit
-def _load_query_side(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem, row_smem,
-                     q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
-                     n_steps, HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """Loader warp: the operands of step i into stage i % STAGES once both consumers released it;
-    with Q its token scales and lse2, with dO its token scales and Delta (``rows_desc``: the flat
+def _load_step(i, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready,
+               do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
+               HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """The operands of step i into stage i % STAGES once both consumers released it; with Q its
+    token scales and lse2, with dO its token scales and Delta (``rows_desc``: the flat
     ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
-    for i in range(n_steps):
-        stage = i % STAGES
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
-        row = q_start + m0
-        column = padded_q_start + m0
-        _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
-                   column, padded_q, Q_FACTOR, HEADS_Q, D)
-        _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
-                   column, padded_q, DO_FACTOR, HEADS_Q, D)
+    stage = i % STAGES
+    mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+    head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
+    row = q_start + m0
+    column = padded_q_start + m0
+    _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
+               column, padded_q, Q_FACTOR, HEADS_Q, D)
+    _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
+               column, padded_q, DO_FACTOR, HEADS_Q, D)
 
 
 @gluon.jit
@@ -149,55 +151,78 @@ def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER:
 
 
 @gluon.jit
-def _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, i, dq_row, head,
-             CONSUMER: gl.constexpr, D: gl.constexpr, DQ_BUFFERS: gl.constexpr, dq_layout: gl.constexpr):
-    """This warpgroup's half of the head dimension of the tile's dQ partial, over both warpgroups'
-    keys (each dS on its own scale), added into ``dq_desc`` at query row ``dq_row`` by TMA
-    reduce-adds from ``dq_smem`` (``DQ_BUFFERS`` buffers of ``[BLOCK_M, DQ_PIECE]`` pieces per
-    warpgroup, used in turn)."""
-    HALF: gl.constexpr = D // CONSUMERS
-    PIECES: gl.constexpr = HALF // DQ_PIECE
+def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
+             tiles_per_head, D: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """Step i's dQ partial over both consumers' keys (each dS on its own scale), ``DQ_PIECE`` columns
+    at a time, added into ``dq_desc`` by TMA reduce-adds from ``dq_smem`` (``DQ_BUFFERS`` buffers of
+    ``D / DQ_PIECE`` pieces, used in turn)."""
+    PIECES: gl.constexpr = D // DQ_PIECE
+    piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DQ_PIECE, 32])
+    rows: gl.constexpr = gl.SliceLayout(1, piece_layout)
+    zero = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, layout=piece_layout)
+    head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
     buffer = i % 2
     mbarrier.wait(ds_ready.index(buffer), (i // 2) & 1)
-    zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=dq_layout)
     ds0 = ds_smem.index(buffer * CONSUMERS)
     ds1 = ds_smem.index(buffer * CONSUMERS + 1)
-    k0 = kt_smem.index(0).slice(CONSUMER * HALF, HALF, dim=0).permute((1, 0))
-    k1 = kt_smem.index(1).slice(CONSUMER * HALF, HALF, dim=0).permute((1, 0))
-    part0 = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
-    part1 = warpgroup_mma(ds1, k1, zero, use_acc=False, is_async=True)
-    part0, part1, _, _, _, _ = warpgroup_mma_wait(0, deps=(part0, part1, ds0, ds1, k0, k1))
-    rows: gl.constexpr = gl.SliceLayout(1, dq_layout)
     scale0 = scale_smem.index(buffer * CONSUMERS).load(rows)
     scale1 = scale_smem.index(buffer * CONSUMERS + 1).load(rows)
-    mbarrier.arrive(ds_free.index(buffer), count=1)
-    part = part0 * scale0[:, None] + part1 * scale1[:, None]
-
-    first = (CONSUMER * DQ_BUFFERS + i % DQ_BUFFERS) * PIECES
-    tma.store_wait((DQ_BUFFERS - 1) * PIECES)  # this buffer's last adds have read it ...
-    gl.thread_barrier()  # ... as seen by the thread that issued them
-    if PIECES == 1:
-        dq_smem.index(first).store(part)
-    else:  # the accumulator's column halves are register halves: no data movement
-        left, right = part.reshape([BLOCK_M, 2, DQ_PIECE]).permute((0, 2, 1)).split()
-        dq_smem.index(first).store(left)
-        dq_smem.index(first + 1).store(right)
-    fence_async_shared()
-    gl.thread_barrier()
     for piece in gl.static_range(PIECES):
-        _reduce_add(dq_desc, [dq_row, head * D + CONSUMER * HALF + piece * DQ_PIECE], dq_smem.index(first + piece))
+        k0 = kt_smem.index(0).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
+        k1 = kt_smem.index(1).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
+        part0 = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
+        part1 = warpgroup_mma(ds1, k1, zero, use_acc=False, is_async=True)
+        part0, part1, _, _, _, _ = warpgroup_mma_wait(0, deps=(part0, part1, ds0, ds1, k0, k1))
+        slot = (i % DQ_BUFFERS) * PIECES + piece
+        tma.store_wait(DQ_BUFFERS * PIECES - 1)  # the slot's last add has read it ...
+        gl.thread_barrier()  # ... as seen by the thread that issued it
+        dq_smem.index(slot).store(part0 * scale0[:, None] + part1 * scale1[:, None])
+        fence_async_shared()
+        gl.thread_barrier()
+        _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * DQ_PIECE], dq_smem.index(slot))
+    mbarrier.arrive(ds_free.index(buffer), count=1)
+
+
+@gluon.jit
+def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
+                            row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc,
+                            kv_ready, ds_ready, ds_free, q_start, padded_q_start, padded_q, first_head, m_lo,
+                            tiles_per_head, n_steps,
+                            HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                            ACCUMULATE_DQ: gl.constexpr):
+    """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
+    steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
+    consumers published their dS, so the consumers never wait for each other."""
+    for i in range(gl.minimum(n_steps, STAGES)):
+        _load_step(i, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem, row_smem,
+                   q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
+                   HEADS_Q, D, STAGES)
+    if ACCUMULATE_DQ:  # the dQ wgmmas read both consumers' K^T tiles
+        mbarrier.wait(kv_ready.index(0), 0)
+        mbarrier.wait(kv_ready.index(1), 0)
+    for i in range(n_steps):
+        if i + STAGES < n_steps:
+            _load_step(i + STAGES, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
+                       row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo,
+                       tiles_per_head, HEADS_Q, D, STAGES)
+        if ACCUMULATE_DQ:
+            _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
+                     tiles_per_head, D, DQ_BUFFERS)
+    if ACCUMULATE_DQ:
+        tma.store_wait(0)  # the last adds have read dq_smem before the program exits
 
 
 @gluon.jit
 def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem, qt_smem, do_smem, dot_smem,
-             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free, dq_smem, dq_desc,
+             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free,
              qt_scale, k_scale, v_scale, dot_scale, dk, dv,
              seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
              first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr):
-    """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and half
-    the head dimension of each tile's dQ partial over both warpgroups' keys."""
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+    """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
+    tile's dS for the dQ warpgroup."""
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
@@ -207,8 +232,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D // CONSUMERS, 32])
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # dS^T rows of 8 keys
 
     key0 = n_start + CONSUMER * KEYS
@@ -241,8 +264,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
-    if ACCUMULATE_DQ:  # the dQ wgmmas read both warpgroups' K^T tiles
-        mbarrier.wait(kv_ready.index(1 - CONSUMER), 0)
     for i in range(n_steps):
         stage = i % STAGES
         phase = (i // STAGES) & 1
@@ -289,10 +310,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         mbarrier.arrive(empty.index(stage), count=1)
 
         if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
-            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, store_layout,
-                      gl.SliceLayout(1, dq_layout))
-            _dq_half(ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, i, (q_start + m0).to(gl.int32),
-                     head, CONSUMER, D, DQ_BUFFERS, dq_layout)
+            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, store_layout, s_cols)
 
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
@@ -305,8 +323,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
     gl.store(dk + out_offsets, dk_rows.to(dk.dtype.element_ty), mask=key_in[:, None])
     gl.store(dv + out_offsets, (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty), mask=key_in[:, None])
-    if ACCUMULATE_DQ:
-        tma.store_wait(0)  # the last adds have read dq_smem before the program exits
 
 
 @gluon.jit
@@ -315,7 +331,7 @@ def _attention_backward_kernel(
     qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, total_q, total_k, padded_q, batch,
     softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    ACCUMULATE_DQ: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     # KV head outer, work slots inner: the programs running at once are mostly the key tiles of the
     # same (sequence, head), which read the same Q/dO tiles and add dQ to the same rows at about
@@ -348,10 +364,10 @@ def _attention_backward_kernel(
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    # Per warpgroup two buffers of dQ pieces, each read by its TMA reduce-add while the next is written.
-    # (one buffer when bf16 Q and K leave no room for two)
+    # Buffers of dQ pieces for the dQ warpgroup, each read by its TMA reduce-adds while the next is
+    # written (one when bf16 Q and K leave no room for two).
     DQ_BUFFERS: gl.constexpr = 1 if k_desc.dtype == gl.bfloat16 else 2
-    dq_pieces: gl.constexpr = CONSUMERS * DQ_BUFFERS * (D // CONSUMERS // DQ_PIECE)
+    dq_pieces: gl.constexpr = DQ_BUFFERS * (D // DQ_PIECE)
     dq_smem = gl.allocate_shared_memory(gl.float32, [dq_pieces, BLOCK_M, DQ_PIECE], dq_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -363,7 +379,7 @@ def _attention_backward_kernel(
         mbarrier.init(kv_ready.index(c), count=1)
     for buffer in gl.static_range(2):
         mbarrier.init(ds_ready.index(buffer), count=CONSUMERS)
-        mbarrier.init(ds_free.index(buffer), count=CONSUMERS)
+        mbarrier.init(ds_free.index(buffer), count=1)
     for stage in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(stage), count=1)
         mbarrier.init(do_ready.index(stage), count=1)
@@ -375,26 +391,28 @@ def _attention_backward_kernel(
     first_head = kv_head * group
     gl.warp_specialize(
         [
+            (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
+                                       dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem,
+                                       dq_smem, dq_desc, kv_ready, ds_ready, ds_free, q_start.to(gl.int32),
+                                       padded_q_start, padded_q, first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D,
+                                       STAGES, DQ_BUFFERS, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
-                        ds_ready, ds_free, dq_smem, dq_desc,
+                        ds_ready, ds_free,
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
                         first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
-                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ, DQ_BUFFERS)),
+                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
-                        ds_ready, ds_free, dq_smem, dq_desc,
+                        ds_ready, ds_free,
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
                         first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
-                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ, DQ_BUFFERS)),
-            (_load_query_side, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
-                                row_smem, q_ready, do_ready, empty, q_start.to(gl.int32), padded_q_start, padded_q,
-                                first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D, STAGES)),
+                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
         ],
-        [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
+        [4, 4],
+        [CONSUMER_REGS, CONSUMER_REGS],
     )
 
 

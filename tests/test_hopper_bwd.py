@@ -328,8 +328,8 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
                       arch=90, gluon=True)
     wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
     fp8 = {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in (64, dim)}
-    if accumulate_dq:  # each warpgroup's dQ half: N = D / 2
-        fp8.add(f"wgmma.mma_async.sync.aligned.m64n{dim // 2}k32.f32.e4m3.e4m3")
+    if accumulate_dq:  # the dQ warpgroup's pieces: N = DQ_PIECE
+        fp8.add(f"wgmma.mma_async.sync.aligned.m64n{hopper_bwd_ws.DQ_PIECE.value}k32.f32.e4m3.e4m3")
     bf16 = {"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"} if exact_scores else set()
     assert wgmma == fp8 | bf16
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
