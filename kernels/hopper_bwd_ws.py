@@ -66,6 +66,12 @@ QUERY_DIMS = gl.constexpr(layout.pv_key_dims(BLOCK_M.value.bit_length() - 1))
 Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
 ROW_VECTORS = gl.constexpr(4)
 DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes, the widest swizzled TMA box
+# dQ chains consumer 0's product (|sum| < 64 * 448^2 < 2^24) times scale0 / scale1 into one fp32
+# accumulator, so that ratio must stay below 2^100. Only when consumer 1's dS scale is below 2^-100
+# of consumer 0's (in practice: its key tile is empty, still on the smallest scale) is it raised to
+# meet the bound, which moves consumer 1's product by at most 2^24 * 2^-100 * scale0: nothing at
+# the scale of consumer 0's product, to which it is added.
+MAX_SCALE_RATIO = gl.constexpr(2.0**100)
 HEAD_DIMS = (64, 128)
 
 
@@ -153,9 +159,11 @@ def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER:
 @gluon.jit
 def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
              tiles_per_head, D: gl.constexpr, DQ_BUFFERS: gl.constexpr):
-    """Step i's dQ partial over both consumers' keys (each dS on its own scale), ``DQ_PIECE`` columns
-    at a time, added into ``dq_desc`` by TMA reduce-adds from ``dq_smem`` (``DQ_BUFFERS`` buffers of
-    ``D / DQ_PIECE`` pieces, used in turn)."""
+    """Step i's dQ partial over both consumers' keys, ``DQ_PIECE`` columns at a time, added into
+    ``dq_desc`` by TMA reduce-adds from ``dq_smem`` (``DQ_BUFFERS`` buffers of ``D / DQ_PIECE``
+    pieces, used in turn). One accumulator chains both halves of the keys: consumer 0's product
+    is brought to consumer 1's dS scale (a power-of-two ratio: exact) before consumer 1's product
+    adds to it; see ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
     PIECES: gl.constexpr = D // DQ_PIECE
     piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_PIECE, 32])
@@ -167,17 +175,19 @@ def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_fre
     ds0 = ds_smem.index(buffer * CONSUMERS)
     ds1 = ds_smem.index(buffer * CONSUMERS + 1)
     scale0 = scale_smem.index(buffer * CONSUMERS).load(rows)
-    scale1 = scale_smem.index(buffer * CONSUMERS + 1).load(rows)
+    scale1 = gl.maximum(scale_smem.index(buffer * CONSUMERS + 1).load(rows), scale0 * (1.0 / MAX_SCALE_RATIO))
+    ratio = scale0 / scale1
     for piece in gl.static_range(PIECES):
         k0 = kt_smem.index(0).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
         k1 = kt_smem.index(1).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
-        part0 = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
-        part1 = warpgroup_mma(ds1, k1, zero, use_acc=False, is_async=True)
-        part0, part1, _, _, _, _ = warpgroup_mma_wait(0, deps=(part0, part1, ds0, ds1, k0, k1))
+        part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
+        part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
+        part = warpgroup_mma(ds1, k1, part * ratio[:, None], is_async=True)
+        part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
         slot = (i % DQ_BUFFERS) * PIECES + piece
         tma.store_wait(DQ_BUFFERS * PIECES - 1)  # the slot's last add has read it ...
         gl.thread_barrier()  # ... as seen by the thread that issued it
-        dq_smem.index(slot).store(part0 * scale0[:, None] + part1 * scale1[:, None])
+        dq_smem.index(slot).store(part * scale1[:, None])
         fence_async_shared()
         gl.thread_barrier()
         _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * DQ_PIECE], dq_smem.index(slot))
