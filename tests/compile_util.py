@@ -58,3 +58,22 @@ def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, 
     if result.returncode != 0:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_{arch} failed:\n{result.stderr[-4000:]}")
     return result.stdout
+
+
+def ptxas_report(ptx: str, arch: int = 90) -> str:
+    """What Triton's own ptxas says (``-v``: registers, spills, performance notes) assembling ``ptx``
+    for ``sm_{arch}a``."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        result = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", source, "-o",
+                                 os.path.join(folder, "kernel.cubin")], capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{result.stderr[-4000:]}")
+    return result.stderr
+
