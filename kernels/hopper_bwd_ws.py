@@ -30,9 +30,10 @@ per-(sequence, channel) scales on the sequence axis (applied in the epilogues), 
 copies divided by each token's scale with that scale folded into dS, P on the static 2^8 scale and
 dS on a running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v6): exact S 1.6x the Triton kernel's speed, gradients within
-1.1e-2 of the reference backend on every input kind of the tests; FP8 S (backend ``triton-fast``)
-1.75x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier inputs.
+Measured on an H200 (docs/PERF.md, v7): exact S 1.9x the Triton kernel's speed (0.86x cuDNN's
+BF16 backward, dense d128), gradients within 1.1e-2 of the reference backend on every input kind
+of the tests; FP8 S (backend ``triton-fast``) 2.1x, 1.5e-2 to 2e-1 from the reference on
+heavy-tailed and outlier inputs. The dQ warpgroup is the critical path (PERF.md v7).
 """
 from __future__ import annotations
 
