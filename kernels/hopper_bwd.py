@@ -50,9 +50,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from functools import cached_property
+
 from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8, hopper_bwd_ws
+from .schedule import tile_list
 from .layout import (
     LOG2E,
     P_SCALE,
@@ -95,13 +98,18 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _producer_program(offsets_ptr, batch):
-    """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (tiles x
-    sequences, heads); a tile at or past the sequence's length has nothing to do."""
-    tile, b = grid_split(batch)
+def _producer_program(offsets_ptr, tiles_ptr):
+    """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (slots of
+    the ``schedule.tile_list`` table ``tiles``, heads); an unused slot has length 0, and a tile at or
+    past the sequence's length has nothing to do."""
+    slot = tl.program_id(0)
     h = tl.program_id(1)
+    b = tl.load(tiles_ptr + 2 * slot)
+    tile = tl.load(tiles_ptr + 2 * slot + 1)
+    used = b >= 0
+    b = tl.maximum(b, 0)
     seq_start, seq_len = sequence_span(offsets_ptr, b)
-    return tile, b, h, seq_start, seq_len
+    return tl.maximum(tile, 0), b, h, seq_start, tl.where(used, seq_len, 0)
 
 
 @triton.jit
@@ -131,14 +139,14 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 
 @triton.jit
 def _sequence_amax_kernel(
-    x_ptr, offsets_ptr, amax_ptr, batch,
+    x_ptr, offsets_ptr, tiles_ptr, amax_ptr, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
     non-negative floats order like their bits."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, batch)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
         return
     x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
@@ -148,7 +156,7 @@ def _sequence_amax_kernel(
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, offsets_ptr,
+    x_ptr, offsets_ptr, tiles_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
@@ -167,7 +175,7 @@ def _quantize_kernel(
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key).
     """
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, batch)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
         return
     x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
@@ -460,13 +468,13 @@ def _dq_kernel(
 
 @triton.jit
 def _finish_dq_kernel(
-    dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, total, batch, softmax_scale,
+    dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, tiles_ptr, total, batch, softmax_scale,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
 ):
     """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, batch)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
         return
     sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
@@ -488,8 +496,15 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-              pv_order=False, feature_dtype=torch.float8_e4m3fn):
+def _producer_tiles(offsets, total):
+    """(sequence, tile) of every ``PRODUCER_TILE``-token tile, from ``schedule.tile_list``: the
+    per-tile passes' grid, built on the device so that no launch waits for the host to learn the
+    longest sequence."""
+    return tile_list(offsets, total, PRODUCER_TILE)
+
+
+def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
+              pv_order=False, feature_dtype=torch.float8_e4m3fn, tiles=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
@@ -497,6 +512,8 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     transposed tokens in ``layout.pv_key_slot`` order; ``feature_dtype`` bf16 stores the e4m3
     values of the feature copy as bf16 (exact: a bf16 MMA on them accumulates in plain fp32).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
+    ``tiles``: the ``PRODUCER_TILE``-token tile table of ``offsets`` (:func:`_producer_tiles`),
+    made here when not given.
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -513,17 +530,18 @@ def _quantize(x, offsets, max_len, *, feature, sequence, normalize_tokens=False,
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, **e4m3)
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
-    if max_len == 0:
+    if total == 0:
         return result, delta, lse2
-    grid = (triton.cdiv(max_len, PRODUCER_TILE) * batch, heads)
+    tiles = _producer_tiles(offsets, total) if tiles is None else tiles
+    grid = (tiles.shape[0], heads)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
                  num_warps=PRODUCER_WARPS)
     amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
-        _sequence_amax_kernel[grid](x, offsets, amax, batch, GROUP=group, **shape)
+        _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
     _quantize_kernel[grid](
-        x, offsets,
+        x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
         amax if sequence else unused, result.sequence if sequence else unused,
         result.sequence_scale if sequence else unused,
@@ -589,19 +607,31 @@ class _Prepared:
         self.total_q, self.total_k = q.shape[0], k.shape[0]
         self.padded_q, self.padded_k = padded_total(self.total_q, self.batch), padded_total(self.total_k, self.batch)
         self.offsets_q, self.offsets_k = offsets_q, offsets_k
-        self.max_len_q, self.max_len_k = max_length(offsets_q), max_length(offsets_k)
+        self.tiles_q = _producer_tiles(offsets_q, self.total_q)
+        same_side = offsets_k is offsets_q and self.total_k == self.total_q
+        self.tiles_k = self.tiles_q if same_side else _producer_tiles(offsets_k, self.total_k)
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
         # exact_scores: Q and K's feature copies (read only for S) as bf16, for the Gluon kernel's exact S.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
-        self.q, _, _ = _quantize(q, offsets_q, self.max_len_q, feature=True, sequence=True, normalize_tokens=True,
-                                 group=group, pv_order=pv_order, feature_dtype=score_dtype)
-        self.k, _, _ = _quantize(k, offsets_k, self.max_len_k, feature=True, sequence=True, normalize_tokens=True,
-                                 feature_dtype=score_dtype)
-        self.v, _, _ = _quantize(v, offsets_k, self.max_len_k, feature=True, sequence=False)
-        self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, self.max_len_q, feature=True, sequence=True,
-                                                   group=group, out=out, lse=lse, pv_order=pv_order)
+        self.q, _, _ = _quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=group,
+                                 pv_order=pv_order, feature_dtype=score_dtype, tiles=self.tiles_q)
+        self.k, _, _ = _quantize(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
+                                 feature_dtype=score_dtype, tiles=self.tiles_k)
+        self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, tiles=self.tiles_k)
+        self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
+                                                   lse=lse, pv_order=pv_order, tiles=self.tiles_q)
+
+    @cached_property
+    def max_len_q(self) -> int:
+        """The longest query sequence, for the Triton kernels' grids (waits for the device)."""
+        return max_length(self.offsets_q)
+
+    @cached_property
+    def max_len_k(self) -> int:
+        """The longest key sequence, for the Triton kernels' grids (waits for the device)."""
+        return max_length(self.offsets_k)
 
     def shape_constants(self, block_m, block_n, causal, precise_scores, num_warps, num_stages):
         return dict(HEADS_Q=self.heads_q, HEADS_KV=self.heads_kv, HEAD_DIM=self.dim, BLOCK_M=block_m,
@@ -641,22 +671,22 @@ def _launch_dq(prep, dq, *, softmax_scale, tma_reduce, block_m, block_n, **shape
 
 def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, deterministic):
     """:func:`_backward_into` with ``hopper_bwd_ws``'s kernel for dK, dV (and dQ unless deterministic)."""
-    if prep.max_len_k > 0:
+    if prep.total_k > 0:
         # BLOCK_M spare rows: the kernel adds its dQ tiles unmasked; rows past a sequence add zeros.
         dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, prep.heads_q, prep.dim,
                                dtype=torch.float32, device=dq.device)
         hopper_bwd_ws.launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal,
                              accumulate_dq=not deterministic)
-    if prep.max_len_q == 0:
+    if prep.total_q == 0:
         return
     if deterministic:
         _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, tma_reduce=False,
                    **GPU_DQ_TILES)
-    elif prep.max_len_k > 0:
-        grid = (triton.cdiv(prep.max_len_q, PRODUCER_TILE) * prep.batch, prep.heads_q)
-        _finish_dq_kernel[grid](dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q,
-                                prep.total_q, prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv,
-                                HEAD_DIM=prep.dim, TILE=PRODUCER_TILE, num_warps=PRODUCER_WARPS)
+    elif prep.total_k > 0:
+        _finish_dq_kernel[(prep.tiles_q.shape[0], prep.heads_q)](
+            dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
+            prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
+            TILE=PRODUCER_TILE, num_warps=PRODUCER_WARPS)
     else:
         dq.zero_()
 
@@ -676,14 +706,14 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
     launch = dict(softmax_scale=softmax_scale, causal=causal, **config)
-    if prep.max_len_k > 0:
+    if prep.total_k > 0:
         dq_accum = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         _launch_dkdv(prep, dq_accum, dk, dv, accumulate_dq=not deterministic, **launch)
-    if prep.max_len_q == 0:
+    if prep.total_q == 0:
         return
     if deterministic:
         _launch_dq(prep, dq, **dict(launch, **GPU_DQ_TILES) if q.is_cuda else launch)
-    elif prep.max_len_k > 0:
+    elif prep.total_k > 0:
         dq.copy_(dq_accum)
     else:
         dq.zero_()

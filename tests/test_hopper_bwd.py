@@ -16,7 +16,8 @@ import torch
 from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws, layout
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.mxfp8 import quantize_mxfp8
-from jagged_attn.offsets import max_length, offsets_from_lengths, padded_seq_start
+from jagged_attn.kernels.schedule import tile_list
+from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.reference import reference_backward, reference_forward
 
 from compile_util import compile_ptx, descriptor_type, ptxas_report
@@ -202,7 +203,7 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
 
     monkeypatch.setattr(torch, "empty", poisoned)
     options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse)
-    result, delta, lse2 = hopper_bwd._quantize(x, offsets, max_length(offsets), feature=True, sequence=True, **options)
+    result, delta, lse2 = hopper_bwd._quantize(x, offsets, feature=True, sequence=True, **options)
     monkeypatch.undo()
     got = dict(feature=result.feature, feature_scale=result.feature_scale,
                sequence=result.sequence[..., written_columns(offsets)], sequence_scale=result.sequence_scale)
@@ -224,8 +225,8 @@ def test_pv_order_stores_transposed_tokens_in_pv_key_slot_order():
     """The producer's ``pv_order`` copy (what the Gluon kernel reads) is the natural transposed copy
     with each 128-token slot's columns in ``layout.pv_key_slot`` order; everything else equal."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 31, 129], [1, 1, 1, 1], 4, 2, 64)
-    natural, _, _ = hopper_bwd._quantize(q, offsets_q, 129, feature=True, sequence=True, normalize_tokens=True, group=2)
-    reordered, _, _ = hopper_bwd._quantize(q, offsets_q, 129, feature=True, sequence=True, normalize_tokens=True,
+    natural, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=2)
+    reordered, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
                                            group=2, pv_order=True)
     columns = torch.arange(128, natural.sequence.shape[2])  # the empty sequence 0's slot is never written or read
     slots = columns // 128 * 128 + layout.pv_key_slot(columns % 128)
@@ -234,6 +235,22 @@ def test_pv_order_stores_transposed_tokens_in_pv_key_slot_order():
         a, b = getattr(natural, name), getattr(reordered, name)
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
+    """The backward's producers (and the Gluon path's dQ pass) take their grids from device-built
+    tile tables: reading the longest sequence's length makes the host wait for the device, which
+    then idles while the host launches what follows (~1 ms of a 24 ms backward on an H200)."""
+    def host_sync(offsets):
+        raise AssertionError("max_length synchronizes with the device")
+
+    monkeypatch.setattr(hopper_bwd, "max_length", host_sync)
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([0, 1, 129, 33], [5, 0, 64, 200], 4, 2, 64)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True, exact_scores=True)
+    assert prep.tiles_q.shape[0] == prep.total_q // hopper_bwd.PRODUCER_TILE + prep.batch
+    with pytest.raises(AssertionError, match="synchronizes"):
+        prep.max_len_q  # the Triton kernels' grids still read it
 
 
 def test_finish_dq_pass_applies_channel_and_token_scales():
@@ -245,9 +262,10 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
     sums = torch.randn(q.shape[0] + 64, heads_q, dim)
     dq = torch.full_like(q, math.nan)
-    grid = (3 * 3, heads_q)
-    hopper_bwd._finish_dq_kernel[grid](sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, q.shape[0], 3,
-                                       0.125, HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
+    tiles = tile_list(offsets_q, q.shape[0], 64)
+    hopper_bwd._finish_dq_kernel[(tiles.shape[0], heads_q)](
+        sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
+        HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
     kv_head = torch.arange(heads_q) // (heads_q // heads_kv)
     channel = prep.k.sequence_scale[kv_head][:, seq].permute(1, 0, 2)  # [total, Hq, D]
@@ -297,8 +315,8 @@ def test_exact_score_copies_hold_the_e4m3_values():
     """``feature_dtype=bf16`` (Q and K for the Gluon kernel's exact S) stores the same values as the
     e4m3 feature copy, with the same token scales."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 33, 70], [1, 1, 1, 1], 4, 2, 64, kind="heavy")
-    e4m3, _, _ = hopper_bwd._quantize(q, offsets_q, 70, feature=True, sequence=False)
-    bf16, _, _ = hopper_bwd._quantize(q, offsets_q, 70, feature=True, sequence=False, feature_dtype=torch.bfloat16)
+    e4m3, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=False)
+    bf16, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=False, feature_dtype=torch.bfloat16)
     assert bf16.feature.dtype == torch.bfloat16
     assert torch.equal(bf16.feature.float(), e4m3.feature.float())
     assert torch.equal(bf16.feature_scale, e4m3.feature_scale)
@@ -523,7 +541,7 @@ def test_gpu_preprocessing_bandwidth():
     _, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
-    produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, 8192, feature=True, sequence=True, out=out, lse=lse)
+    produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse)
     # Bytes: dO read twice (amax pass, quantize pass), O once; e4m3 written twice; per-token fp32 in/out.
     elements = dout.numel()
     produce_bytes = elements * (3 * dout.element_size() + 2) + dout.shape[0] * dout.shape[1] * 4 * 4
