@@ -8,9 +8,11 @@ DeepSeek-V3 report measured ~14). The model: each chunk sum is truncated at
 into the accumulator with the same truncation relative to the larger addend ("truncated"), or
 exactly ("promoted", as ``max_num_imprecise_acc=32`` does in the Triton kernel). It replaces the
 S and dP products of the reference backward (``jagged_attn.reference``) on the GPU accuracy test's
-ragged GQA batch and prints, per seed, dQ / dK / dV rel-L2 against the unmodified reference for:
-both promoted (the Triton kernel), both truncated (the Gluon kernel with FP8 S), only S truncated,
-only dP truncated. docs/PERF.md (backward v6) compares it with the H200.
+ragged GQA batch and prints, per seed, dQ / dK / dV rel-L2 against the unmodified reference and
+how far the cosine against fp64 gradients moves from the reference's (the accuracy test's two
+criteria) for: both promoted (the Triton kernel), both truncated (the Gluon kernel with FP8 S),
+only S truncated, only dP truncated (the Gluon kernel's default). docs/PERF.md (backward v6, v7)
+compares it with the H200.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_hopper_bwd import forward_of, make_inputs, rel_l2  # noqa: E402  (the GPU tests' batch and metric)
+from test_hopper_bwd import cosine, exact_gradients, forward_of, make_inputs, rel_l2  # noqa: E402  (the GPU tests')
 
 from jagged_attn import reference  # noqa: E402
 
@@ -95,11 +97,13 @@ def main():
                                                           128, dtype=torch.bfloat16, kind=args.kind)
         out, lse = forward_of(q, k, v, offsets_q, offsets_k, args.causal, scale)
         backward = (dout, q, k, v, out, lse, offsets_q, offsets_k)
-        exact = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
+        unmodified = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
+        fp64 = exact_gradients(q, k, v, dout, offsets_q, offsets_k, args.causal, scale)
         for mode, truncation in MODES.items():
             with modelled_products(*truncation):
                 grads = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
-            errors = " ".join(f"{name} {rel_l2(g, e):.2e}" for name, g, e in zip(("dq", "dk", "dv"), grads, exact))
+            errors = " ".join(f"{name} {rel_l2(g, r):.2e} (cosine {cosine(g, e) - cosine(r, e):+.1e})"
+                              for name, g, r, e in zip(("dq", "dk", "dv"), grads, unmodified, fp64))
             print(f"{args.kind} causal={args.causal:d} seed {seed} {mode:13s} {errors}", flush=True)
 
 
