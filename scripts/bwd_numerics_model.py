@@ -1,6 +1,7 @@
-"""CPU model of FP8 wgmma accumulation in the backward: how far S's and dP's truncation moves dQ, dK, dV.
+"""CPU model of the Hopper backward's numerics: how far FP8 accumulation of S and dP, and the
+Gluon kernel's dS scale policy, move dQ, dK, dV.
 
-    python3 scripts/fp8_accumulation_model.py [--kind heavy] [--causal] [--seeds 1 2 3 4]
+    python3 scripts/bwd_numerics_model.py [--kind heavy] [--causal] [--seeds 1 2 3 4]
 
 Hopper's FP8 wgmma sums the reduction in 32-wide chunks and keeps ~13 bits when it adds (the
 DeepSeek-V3 report measured ~14). The model: each chunk sum is truncated at
@@ -11,8 +12,14 @@ S and dP products of the reference backward (``jagged_attn.reference``) on the G
 ragged GQA batch and prints, per seed, dQ / dK / dV rel-L2 against the unmodified reference and
 how far the cosine against fp64 gradients moves from the reference's (the accuracy test's two
 criteria) for: both promoted (the Triton kernel), both truncated (the Gluon kernel with FP8 S),
-only S truncated, only dP truncated (the Gluon kernel's default). docs/PERF.md (backward v6, v7)
-compares it with the H200.
+only S truncated, only dP truncated (the Gluon kernel's default).
+
+The dS modes keep exact products and change only dS's quantization: the reference quantizes 32x32
+tiles, each on its own scale; the Gluon kernel quantizes 64 x 64 tiles (one consumer's keys x one
+query step) on a running scale per (KV head, 64-key block) that only grows over its steps (query
+heads of the group outer, query tiles inner) from the smallest normal ("dS running64"), here
+also one scale per 64 x 64 tile ("dS step64"). docs/PERF.md (backward v6, v7) compares all of it
+with the H200.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_hopper_bwd import cosine, exact_gradients, forward_of, make_inputs, rel_l2  # noqa: E402  (the GPU tests')
 
-from jagged_attn import reference  # noqa: E402
+from jagged_attn import mx_format, reference  # noqa: E402
 
 BITS = 13
 CHUNK = 32
 SCORE_PRODUCT = "qhd,khd->hqk"  # the einsum of S and of dP in reference_backward, in that order
-MODES = {"promoted": (False, False), "truncated": (True, True), "S truncated": (True, False),
-         "dP truncated": (False, True)}  # (S truncated, dP truncated)
+DS_TILE = 64  # queries per step x keys per consumer warpgroup of the Gluon kernel
+GROUP = 4  # query heads per KV head in the batch of main()
+# (S truncated, dP truncated: None for exact products; dS rule: None for the reference's, else running or not)
+MODES = {"promoted": (False, False, None), "truncated": (True, True, None), "S truncated": (True, False, None),
+         "dP truncated": (False, True, None), "dS step64": (None, None, False), "dS running64": (None, None, True)}
 
 
 def _truncate(x: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -75,13 +85,36 @@ class _TorchWithModelProducts:
         return getattr(torch, name)
 
 
+def quantize_ds_tiles(ds: torch.Tensor, running: bool) -> torch.Tensor:
+    """``[Hq, Lq, Lk]`` dS of one sequence after e4m3 quantization in ``DS_TILE`` square tiles, each
+    on its own scale or (``running``) on the Gluon kernel's running scale."""
+    heads, len_q, len_k = ds.shape
+    padded = torch.nn.functional.pad(ds.float(), (0, -len_k % DS_TILE, 0, -len_q % DS_TILE))
+    q_tiles, k_tiles = padded.shape[1] // DS_TILE, padded.shape[2] // DS_TILE
+    tiles = padded.reshape(heads, q_tiles, DS_TILE, k_tiles, DS_TILE)
+    byte = mx_format.scale_bytes(tiles.abs().amax(dim=(2, 4)))  # [Hq, q tiles, k tiles]
+    if running:
+        steps = byte.reshape(heads // GROUP, GROUP * q_tiles, k_tiles).clamp_min(1)  # 1: the smallest normal
+        byte = torch.cummax(steps, dim=1).values.reshape(heads, q_tiles, k_tiles)
+    byte = byte[:, :, None, :, None]
+    values = mx_format.quantize_with_factors(tiles, mx_format.scale_factors(byte)).float()
+    return (values * mx_format.descale_factors(byte)).reshape(padded.shape)[:, :len_q, :len_k]
+
+
 @contextlib.contextmanager
-def modelled_products(truncate_s: bool, truncate_dp: bool):
-    reference.torch = _TorchWithModelProducts(truncate_s, truncate_dp)
+def modelled_backward(truncate_s: bool, truncate_dp: bool, running_ds):
+    """The reference backward with the modelled S / dP products (``truncate_s`` not None) and dS rule
+    (``running_ds`` not None)."""
+    reference_rule = mx_format.fake_quantize_square_tiles
+    if truncate_s is not None:
+        reference.torch = _TorchWithModelProducts(truncate_s, truncate_dp)
+    if running_ds is not None:
+        mx_format.fake_quantize_square_tiles = lambda ds: quantize_ds_tiles(ds, running_ds)
     try:
         yield
     finally:
         reference.torch = torch
+        mx_format.fake_quantize_square_tiles = reference_rule
 
 
 def main():
@@ -99,8 +132,8 @@ def main():
         backward = (dout, q, k, v, out, lse, offsets_q, offsets_k)
         unmodified = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
         fp64 = exact_gradients(q, k, v, dout, offsets_q, offsets_k, args.causal, scale)
-        for mode, truncation in MODES.items():
-            with modelled_products(*truncation):
+        for mode, model in MODES.items():
+            with modelled_backward(*model):
                 grads = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
             errors = " ".join(f"{name} {rel_l2(g, r):.2e} (cosine {cosine(g, e) - cosine(r, e):+.1e})"
                               for name, g, r, e in zip(("dq", "dk", "dv"), grads, unmodified, fp64))
