@@ -44,18 +44,16 @@ by 3e-2 to 2e-1 (docs/PERF.md, v6); the Triton kernels run in the CPU interprete
 
 from __future__ import annotations
 
+from functools import cached_property
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from functools import cached_property
-
 from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8, hopper_bwd_ws
-from .schedule import tile_list
 from .layout import (
     LOG2E,
     P_SCALE,
@@ -70,6 +68,7 @@ from .layout import (
     scale_value,
     sequence_span,
 )
+from .schedule import tile_list
 
 PRODUCER_TILE = 128  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
 PRODUCER_WARPS = 8
