@@ -58,7 +58,6 @@ from .layout import (
     LOG2E,
     P_SCALE,
     SMALLEST_NORMAL_BYTE,
-    columns_in_pv_key_order,
     grid_split,
     grown_scale_byte,
     padded_seq_start,
@@ -67,6 +66,7 @@ from .layout import (
     scale_inverse,
     scale_value,
     sequence_span,
+    store_sequence_copy,
 )
 from .schedule import tile_list
 
@@ -191,12 +191,8 @@ def _quantize_kernel(
         byte = scale_byte_of_amax(amax_bits.to(tl.float32, bitcast=True), False)
         values = _sequence_axis_values(x, NORMALIZE_TOKENS)
         data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
-        padded_rows = padded_seq_start(seq_start, b) + rows
-        transposed = (h * HEAD_DIM + channels[:, None]).to(tl.int64) * padded + padded_rows[None, :]
-        data = tl.trans(data)
-        if PV_ORDER:  # the tile is one whole 128-token slot: reorder its columns in registers
-            data = columns_in_pv_key_order(data)
-        tl.store(sequence_ptr + transposed, data)  # the whole slot: zeros past the end
+        # The whole 128-token slot: zeros past the end.
+        store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, PV_ORDER)
         tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
     if DELTA:
         o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)

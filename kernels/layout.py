@@ -51,6 +51,20 @@ def columns_in_pv_key_order(x):
     return tl.reshape(tl.permute(split, PV_KEY_DIMS.value), [rows, 128])
 
 
+@triton.jit
+def store_sequence_copy(dst, tile, head, channels, seq_start, seq, rows, padded_total, D: tl.constexpr,
+                        PV_ORDER: tl.constexpr):
+    """Store one head's ``[len(rows), len(channels)]`` tile of sequence ``seq`` (``rows`` counted
+    inside it) transposed into a sequence-axis copy ``[H, D, padded_total]``: each channel's tokens
+    contiguous, token ``i`` at column ``padded_seq_start + i``; with PV_ORDER the tile is one whole
+    128-token slot, its tokens in ``pv_key_slot`` order (what the Gluon kernels read)."""
+    data = tl.trans(tile)  # in registers, so that each channel's tokens are stored contiguously
+    if PV_ORDER:
+        data = columns_in_pv_key_order(data)
+    columns = padded_seq_start(seq_start, seq) + rows
+    tl.store(dst + (head.to(tl.int64) * D + channels[:, None]) * padded_total + columns[None, :], data)
+
+
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
 rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)

@@ -234,13 +234,9 @@ def _rebase_sequence_kernel(
                                            scale_bytes_per_head, n_col_tiles, BLOCK_T)
         x = tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D))
     rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, tl.load(entries)[None, :])[:, None, :], INTERPRET)
-    # Transposed in registers, so that each channel's tokens are stored contiguously.
-    data = tl.trans(tl.reshape(rebased, (BLOCK_T, BLOCK_D)))
-    if PV_KEY_ORDER:
-        data = layout.columns_in_pv_key_order(data)
-    columns = layout.padded_seq_start(start, seq) + rows
     # Columns past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
-    tl.store(dst + (head.to(tl.int64) * D + channels[:, None]) * t_pad + columns[None, :], data)
+    layout.store_sequence_copy(dst, tl.reshape(rebased, (BLOCK_T, BLOCK_D)), head, channels, start, seq, rows, t_pad,
+                               D, PV_KEY_ORDER)
 
 
 def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
