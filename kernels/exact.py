@@ -22,7 +22,6 @@ Scale placement comes from ``jagged_attn.kernels.layout`` (the owner modules' fo
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

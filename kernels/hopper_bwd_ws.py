@@ -37,7 +37,6 @@ heavy-tailed and outlier inputs. The dQ warpgroup is the critical path (PERF.md 
 """
 from __future__ import annotations
 
-
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon

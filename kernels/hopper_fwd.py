@@ -25,7 +25,6 @@ interpreter executes (CI) and serves the other configurations.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -15,8 +15,6 @@ are their exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA r
 
 from __future__ import annotations
 
-import math
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -27,7 +25,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
 
 from . import layout
 from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
@@ -266,7 +263,7 @@ def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
             *_descriptors(q_rebased, k_rebased, vt, config["BLOCK_N"]),
             q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work,
-            softmax_scale / math.log(2.0), q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1,
+            softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1,
             HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, num_warps=4, **config,
         )
     return out, lse
