@@ -668,8 +668,9 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
     """:func:`_backward_into` with ``hopper_bwd_ws``'s kernel for dK, dV (and dQ unless deterministic)."""
     if prep.total_k > 0:
         # BLOCK_M spare rows: the kernel adds its dQ tiles unmasked; rows past a sequence add zeros.
-        dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, prep.heads_q, prep.dim,
-                               dtype=torch.float32, device=dq.device)
+        # Deterministic, it adds none: one tile for the buffer's descriptor, not total_q zeroed rows.
+        rows = hopper_bwd_ws.BLOCK_M.value + (0 if deterministic else prep.total_q)
+        dq_accum = torch.zeros(rows, prep.heads_q, prep.dim, dtype=torch.float32, device=dq.device)
         hopper_bwd_ws.launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal,
                              accumulate_dq=not deterministic)
     if prep.total_q == 0:

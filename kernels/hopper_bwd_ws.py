@@ -462,7 +462,8 @@ def _descriptors(prep, dq_accum) -> tuple:
 
 def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumulate_dq: bool):
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
-    ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang).
+    ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang);
+    without ``accumulate_dq`` it is never touched (``[BLOCK_M, Hq, D]`` serves its descriptor).
     ``prep`` is ``hopper_bwd``'s producer output, made with ``pv_order=True``."""
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, BLOCK_N.value, causal=causal, rows_are_queries=False)
     if not work.shape[0]:
