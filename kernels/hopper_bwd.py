@@ -727,17 +727,17 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
 
     On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
     S comes from a bf16 MMA on Q and K's e4m3 values (exact), with "fp8" from FP8 wgmma (~13-bit
-    accumulation). On an H200 (dense 8 x 8192 x 16, d128): 28.9-29.1 / 26.1-26.8 ms, cuDNN BF16
-    20.3-21.1 ms; gradients within 1.1e-2 of the reference backend on all four input kinds of the
-    tests with "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6).
+    accumulation). On an H200 (dense 8 x 8192 x 16, d128): 24.0 / 21.9 ms, cuDNN BF16 20.5 ms;
+    gradients within 1.1e-2 of the reference backend on all four input kinds of the tests with
+    "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6, v7).
     ``kernel="triton"`` runs the Triton kernel there instead (46.5 ms); the CPU interpreter runs it.
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
     reduce-adds on the GPU, atomics in the interpreter; the order varies run to run).
     ``deterministic=True`` computes dQ in a separate Triton kernel per query tile that loops over
     its key tiles in order (S from the same Q and K copies, so exact with ``scores="bf16"``):
-    bit-identical results, at the price of recomputing S and dP there: 37.7 ms on the same H200
-    workload (docs/PERF.md, v6).
+    bit-identical results, at the price of recomputing S and dP there: 38.0 ms on the same H200
+    workload (docs/PERF.md, v7).
     """
     _check_inputs(dout, q, k, v, out, lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
