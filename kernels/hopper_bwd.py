@@ -68,9 +68,9 @@ from .layout import (
     sequence_span,
     store_sequence_copy,
 )
-from .schedule import tile_list
+from .schedule import SLOT_TOKENS, slot_tiles
 
-PRODUCER_TILE = 128  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
+PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
 PRODUCER_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
@@ -491,13 +491,6 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-def _producer_tiles(offsets, total):
-    """(sequence, tile) of every ``PRODUCER_TILE``-token tile, from ``schedule.tile_list``: the
-    per-tile passes' grid, built on the device so that no launch waits for the host to learn the
-    longest sequence."""
-    return tile_list(offsets, total, PRODUCER_TILE)
-
-
 def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
               pv_order=False, feature_dtype=torch.float8_e4m3fn, tiles=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
@@ -507,8 +500,8 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     transposed tokens in ``layout.pv_key_slot`` order; ``feature_dtype`` bf16 stores the e4m3
     values of the feature copy as bf16 (exact: a bf16 MMA on them accumulates in plain fp32).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
-    ``tiles``: the ``PRODUCER_TILE``-token tile table of ``offsets`` (:func:`_producer_tiles`),
-    made here when not given.
+    ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
+    launch waits for the host to learn the longest sequence), made here when not given.
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -527,7 +520,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
     if total == 0:
         return result, delta, lse2
-    tiles = _producer_tiles(offsets, total) if tiles is None else tiles
+    tiles = slot_tiles(offsets, total) if tiles is None else tiles
     grid = (tiles.shape[0], heads)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
                  num_warps=PRODUCER_WARPS)
@@ -602,9 +595,9 @@ class _Prepared:
         self.total_q, self.total_k = q.shape[0], k.shape[0]
         self.padded_q, self.padded_k = padded_total(self.total_q, self.batch), padded_total(self.total_k, self.batch)
         self.offsets_q, self.offsets_k = offsets_q, offsets_k
-        self.tiles_q = _producer_tiles(offsets_q, self.total_q)
+        self.tiles_q = slot_tiles(offsets_q, self.total_q)
         same_side = offsets_k is offsets_q and self.total_k == self.total_q
-        self.tiles_k = self.tiles_q if same_side else _producer_tiles(offsets_k, self.total_k)
+        self.tiles_k = self.tiles_q if same_side else slot_tiles(offsets_k, self.total_k)
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv

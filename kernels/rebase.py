@@ -40,10 +40,10 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from . import fp8, layout
-from .schedule import tile_list
+from .schedule import SLOT_TOKENS, slot_tiles
 
-# Whole blocks, so sequence-axis blocks never straddle programs; one whole key tile (``layout.PV_KEY_BITS``).
-TOKENS_PER_PROGRAM = 4 * mx_format.BLOCK_SIZE
+# One padded slot: whole MX blocks (sequence-axis blocks never straddle programs), one whole key tile (PV_KEY_BITS).
+TOKENS_PER_PROGRAM = SLOT_TOKENS
 # Launch choices: warps of a feature-axis program (one (128-token tile, head)); channels and warps
 # of a sequence-axis program (each pass: one (128-token tile, head, chunk of channels)), by input:
 # high-precision values (quantized in the pass) or MXFP8 (its bytes read). Measured on an H200
@@ -247,11 +247,6 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
     return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
-def _tiles(offsets, total):
-    """The rebasing passes' work: every 128-token tile once (they all cost the same)."""
-    return tile_list(offsets, total, TOKENS_PER_PROGRAM)
-
-
 def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
@@ -302,7 +297,7 @@ def rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False) -> tupl
     ``(padded_seq_start(offsets[b], b) + i) // group``. With ``exact`` the data are the exact MX
     values in bf16 (fp32 when interpreted) and every factor is 1.
     """
-    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group, exact, _tiles(mx.offsets, mx.total))
+    return _rebase_feature(mx.data, mx.offsets, mx, mx.rounding, group, exact, slot_tiles(mx.offsets, mx.total))
 
 
 def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1,
@@ -310,26 +305,26 @@ def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, roundin
     """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group, exact)``,
     in one pass over bf16/fp16/fp32 ``values [total, H, D]``."""
     rounding = mx_format.check_rounding(rounding)
-    return _rebase_feature(values, offsets, None, rounding, group, exact, _tiles(offsets, values.shape[0]))
+    return _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]))
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence-axis MXFP8 ``[total, H, D]`` -> (e4m3 ``[H, D, padded_total]``, tokens contiguous at
     their padded rows, on one exponent per (sequence, head, channel); int32 exponent bytes ``[H, B, D]``)."""
-    return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding, _tiles(mx.offsets, mx.total))
+    return _rebase_sequence(mx.data, mx.offsets, mx, mx.rounding, slot_tiles(mx.offsets, mx.total))
 
 
 def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil"):
     """Like ``rebase_sequence(quantize_mxfp8(values, offsets, axis="sequence", rounding=rounding))``,
     reading bf16/fp16/fp32 ``values [total, H, D]`` twice (exponents, then data: see the module docstring)."""
     rounding = mx_format.check_rounding(rounding)
-    return _rebase_sequence(values, offsets, None, rounding, _tiles(offsets, values.shape[0]))
+    return _rebase_sequence(values, offsets, None, rounding, slot_tiles(offsets, values.shape[0]))
 
 
 def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, pv_key_order: bool = False):
     """``(*rebase_feature(k, group, exact), *rebase_sequence(v))`` with one tile list for both passes;
     ``pv_key_order`` stores V^T's keys in ``layout.pv_key_slot`` order within each 128-key tile."""
-    work = _tiles(k.offsets, k.total)
+    work = slot_tiles(k.offsets, k.total)
     return (*_rebase_feature(k.data, k.offsets, k, k.rounding, group, exact, work),
             *_rebase_sequence(v.data, v.offsets, v, v.rounding, work, pv_key_order))
 
@@ -338,7 +333,7 @@ def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, 
                        pv_key_order: bool = False):
     """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
     with one tile list for both passes (``pv_key_order`` as in :func:`rebase_kv`)."""
-    work = _tiles(offsets, k.shape[0])
+    work = slot_tiles(offsets, k.shape[0])
     return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work),
             *_rebase_sequence(v, offsets, None, "rceil", work, pv_key_order))
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 
 from jagged_attn.offsets import lengths_of
+from jagged_attn.scale_layout import TILE_ROWS
 
 EMPTY_SLOT = -1
+SLOT_TOKENS = TILE_ROWS  # tokens of one padded slot: ``offsets.padded_seq_start`` aligns every sequence to it
 
 
 def tile_slots(total_rows: int, batch: int, block: int) -> int:
@@ -64,6 +66,12 @@ def tile_list(offsets_rows: torch.Tensor, total_rows: int, block: int) -> torch.
         return torch.full((tile_slots(total_rows, 0, block), 2), EMPTY_SLOT, dtype=torch.int32,
                           device=offsets_rows.device)
     return _table(*_row_tiles(offsets_rows, total_rows, block)).to(torch.int32)
+
+
+def slot_tiles(offsets_rows: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """:func:`tile_list` of ``SLOT_TOKENS``-row tiles: the work of the per-tile passes that each take
+    one whole padded slot of a sequence (the backward's producers, the forward's rebasing)."""
+    return tile_list(offsets_rows, total_rows, SLOT_TOKENS)
 
 
 def work_list(
