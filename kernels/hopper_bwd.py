@@ -36,10 +36,11 @@ head), looping over the query heads of its GQA group and their query tiles, accu
 dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
 and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). On GPUs
 ``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of :func:`_dkdv_kernel` (producers
-with ``pv_order``; its dQ sums scaled by :func:`_finish_dq_kernel`), by default on bf16 copies of
-Q and K's e4m3 values so that S is exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it
-accumulates, which on heavy-tailed or outlier inputs moves S, and through P and dS the gradients,
-by 3e-2 to 2e-1 (docs/PERF.md, v6); the Triton kernels run in the CPU interpreter (CI).
+storing the sequence-axis copies in the token orders it reads; its dQ sums scaled by
+:func:`_finish_dq_kernel`), by default on bf16 copies of Q and K's e4m3 values so that S is
+exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which on heavy-tailed or
+outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1 (docs/PERF.md, v6);
+the Triton kernels run in the CPU interpreter (CI).
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ from jagged_attn.offsets import max_length, padded_total
 
 from . import fp8, hopper_bwd_ws
 from .layout import (
+    DS_ORDER,
     LOG2E,
+    NATURAL_ORDER,
+    PV_ORDER,
     P_SCALE,
     SMALLEST_NORMAL_BYTE,
     grid_split,
@@ -70,7 +74,7 @@ from .layout import (
 )
 from .schedule import SLOT_TOKENS, slot_tiles
 
-PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (PV_ORDER reorders within it)
+PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 PRODUCER_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
@@ -162,15 +166,15 @@ def _quantize_kernel(
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    PV_ORDER: tl.constexpr, INTERPRET: tl.constexpr,
+    ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
 
     FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed (with PV_ORDER, tokens in ``layout.pv_key_slot`` order, as the Gluon kernel
-    reads them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the
-    kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
+    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the Gluon kernel reads
+    them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
+    fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key).
     """
@@ -192,7 +196,7 @@ def _quantize_kernel(
         values = _sequence_axis_values(x, NORMALIZE_TOKENS)
         data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
         # The whole 128-token slot: zeros past the end.
-        store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, PV_ORDER)
+        store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, ORDER)
         tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
     if DELTA:
         o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
@@ -492,13 +496,14 @@ class _Quantized:
 
 
 def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-              pv_order=False, feature_dtype=torch.float8_e4m3fn, tiles=None):
+              order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
-    dividing each token by its head_dim scale with ``normalize_tokens``); ``pv_order`` stores the
-    transposed tokens in ``layout.pv_key_slot`` order; ``feature_dtype`` bf16 stores the e4m3
-    values of the feature copy as bf16 (exact: a bf16 MMA on them accumulates in plain fp32).
+    dividing each token by its head_dim scale with ``normalize_tokens``); ``order`` (``layout``'s
+    ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
+    ``feature_dtype`` bf16 stores the e4m3 values of the feature copy as bf16 (exact: a bf16 MMA on
+    them accumulates in plain fp32).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
@@ -536,7 +541,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         out if with_delta else unused, lse if with_delta else unused,
         delta if with_delta else unused, lse2 if with_delta else unused,
         total, padded, batch, GROUP=group,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, PV_ORDER=pv_order, INTERPRET=fp8.INTERPRETED, **shape,
+        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, INTERPRET=fp8.INTERPRETED, **shape,
     )
     return result, delta, lse2
 
@@ -589,7 +594,9 @@ def _check_inputs(dout, q, k, v, out, lse):
 class _Prepared:
     """The producers' outputs for one backward call, plus the sizes the launches need."""
 
-    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=False, exact_scores=False):
+    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
+                 key_order=NATURAL_ORDER, exact_scores=False):
+        """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders)."""
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
         self.total_q, self.total_k = q.shape[0], k.shape[0]
@@ -604,12 +611,12 @@ class _Prepared:
         # exact_scores: Q and K's feature copies (read only for S) as bf16, for the Gluon kernel's exact S.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
         self.q, _, _ = _quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=group,
-                                 pv_order=pv_order, feature_dtype=score_dtype, tiles=self.tiles_q)
+                                 order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q)
         self.k, _, _ = _quantize(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
-                                 feature_dtype=score_dtype, tiles=self.tiles_k)
+                                 order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
         self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
-                                                   lse=lse, pv_order=pv_order, tiles=self.tiles_q)
+                                                   lse=lse, order=query_order, tiles=self.tiles_q)
 
     @cached_property
     def max_len_q(self) -> int:
@@ -690,7 +697,9 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
         exact_scores = config.pop("exact_scores", True)
         if config:
             raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
-        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True, exact_scores=exact_scores)
+        # The deterministic path's Triton dQ kernel reads K^T in natural order.
+        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=PV_ORDER,
+                         key_order=NATURAL_ORDER if deterministic else DS_ORDER, exact_scores=exact_scores)
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)

@@ -7,10 +7,12 @@ sequence axis, and the per-query vectors: token scales, lse2, Delta) and compute
 consumer warpgroups, 64 keys each, run per stage::
 
     S^T = K Q^T,  dP^T = V dO^T                (bf16 or FP8 wgmma, fp32 in registers)
-    P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta)
+    P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta),  publish dS
     dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
 
-and publish dS (transposed, e4m3) in shared memory; the default warpgroup then forms the tile's
+where publishing stores dS (e4m3, queries x keys) in shared memory straight from registers, two
+bytes at a time (keys in ``layout.ds_key_slot`` order, which the producer gives K^T too: no
+transpose through shared memory); the default warpgroup then forms the tile's
 dQ partial = dS K over both consumers' keys, 32 columns at a time, and adds it to global memory
 with TMA bulk reduce-adds. So the consumers never wait for each other (v6 coupled them through
 the per-step dS exchange, each computing half of dQ).
@@ -61,7 +63,8 @@ KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
 BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per program
 BLOCK_M = gl.constexpr(64)  # queries per stage
-QUERY_DIMS = gl.constexpr(layout.pv_key_dims(BLOCK_M.value.bit_length() - 1))
+QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.value.bit_length() - 1))
+KEY_DIMS = gl.constexpr(layout.key_order_dims(layout.ds_key_slot, KEYS_PER_CONSUMER.value.bit_length() - 1))
 # Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these).
 Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
 ROW_VECTORS = gl.constexpr(4)
@@ -131,6 +134,15 @@ def _as_query_operand(x, operand_layout: gl.constexpr):
     return gl.convert_layout(x, operand_layout, assert_trivial=True)
 
 
+@gluon.jit
+def _as_published_ds(ds8):
+    """dS^T ``[keys, BLOCK_M]`` (e4m3, S^T's accumulator layout) as dS ``[BLOCK_M, keys]`` with its
+    keys in ``layout.ds_key_slot`` order, with no data movement: each thread's keys r and r + 8 of
+    every 16 become adjacent bytes of a query's row (the K^T copy holds its keys in that order)."""
+    ds = ds8.permute((1, 0)).reshape([BLOCK_M, 2, 2, 2, 2, 2, 2])
+    return ds.permute(KEY_DIMS.value).reshape([BLOCK_M, ds8.shape[0]])
+
+
 @builtin
 def _reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA bulk ``global[coord:] += src`` (fp32 adds in L2, asynchronous: ``tma.store_wait`` waits
@@ -141,15 +153,13 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER: gl.constexpr,
-              store_layout: gl.constexpr, scale_layout: gl.constexpr):
-    """Publish this warpgroup's dS (e4m3, transposed to queries x keys: FP8 wgmma reads only
-    K-major operands) and its scale in buffer i % 2 for both warpgroups' dQ wgmmas."""
+              scale_layout: gl.constexpr):
+    """Publish this warpgroup's dS (e4m3, queries x keys, keys contiguous: FP8 wgmma reads only
+    K-major operands) and its scale in buffer i % 2 for the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
     mbarrier.wait(ds_free.index(buffer), ((i // 2) & 1) ^ 1)
-    # The transpose runs on fp16 copies (exact for e4m3 values); the e4m3 tile is stored row-wise.
-    ds_t = gl.convert_layout(gl.permute(ds8.to(gl.float16), (1, 0)), store_layout).to(gl.float8e4nv)
-    ds_smem.index(slot).store(ds_t)
+    ds_smem.index(slot).store(_as_published_ds(ds8))
     scale_smem.index(slot).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=scale_layout) + layout.scale_value(ds_byte))
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
@@ -242,7 +252,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # dS^T rows of 8 keys
 
     key0 = n_start + CONSUMER * KEYS
     ready = kv_ready.index(CONSUMER)
@@ -308,6 +317,10 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         p8 = _as_query_operand((p * layout.P_SCALE).to(gl.float8e4nv), a_layout)
         ds_byte, rescale = layout.grown_scale_byte(gl.max(gl.max(gl.abs(ds), axis=1), axis=0), ds_byte)
         ds8 = (ds * layout.scale_factor(ds_byte)).to(gl.float8e4nv)
+        # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
+        # the dQ warpgroup starts earlier.
+        if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
+            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, s_cols)
 
         dot_view = dot_smem.index(stage).permute((1, 0))
         dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
@@ -318,9 +331,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # small steps against a large running dK (heavy-tailed inputs' dK missed the 2e-2 bar so).
         dk_acc = dk_acc * rescale + dk_tile
         mbarrier.arrive(empty.index(stage), count=1)
-
-        if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
-            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, store_layout, s_cols)
 
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
@@ -464,7 +474,8 @@ def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumu
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
     ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang);
     without ``accumulate_dq`` it is never touched (``[BLOCK_M, Hq, D]`` serves its descriptor).
-    ``prep`` is ``hopper_bwd``'s producer output, made with ``pv_order=True``."""
+    ``prep`` is ``hopper_bwd``'s producer output, made with ``query_order=PV_ORDER`` and, with
+    ``accumulate_dq``, ``key_order=DS_ORDER`` (``layout``'s token orders)."""
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, BLOCK_N.value, causal=causal, rows_are_queries=False)
     if not work.shape[0]:
         return

@@ -28,39 +28,55 @@ def pv_key_slot(key):
     return (key & ~0xE) | ((key & 0x2) << 1) | ((key & 0x4) << 1) | ((key >> 2) & 0x2)
 
 
+def ds_key_slot(key):
+    """Column of a key in the K^T copy that ``hopper_bwd_ws``'s dQ wgmmas read: key bit 3 moves to
+    bit 0, bits 0-2 to 1-3 (inside each 16-key group). A thread holds keys r and r + 8 of each 16
+    of dS^T (a wgmma accumulator, keys as rows); in this order they are adjacent bytes of dS's
+    key-contiguous rows (FP8 wgmma reads only K-major operands), so the consumers store dS two bytes
+    at a time straight from registers instead of transposing it."""
+    return (key & ~0xF) | ((key >> 3) & 0x1) | ((key & 0x7) << 1)
+
+
 PV_KEY_BITS = 7  # a 128-key tile
 
 
-def pv_key_dims(bits: int = PV_KEY_BITS) -> list[int]:
-    """``pv_key_slot`` as a dimension order: a ``[rows, 2^bits]`` tile reshaped to ``[rows, 2, ..., 2]``
-    (key bit ``bits - 1`` first) and permuted by this order holds, at column ``pv_key_slot(c)``,
-    column ``c``."""
-    source_bit = {pv_key_slot(1 << bit).bit_length() - 1: bit for bit in range(bits)}
+def key_order_dims(key_slot, bits: int = PV_KEY_BITS) -> list[int]:
+    """A key order (``pv_key_slot``, ``ds_key_slot``) as a dimension order: a ``[rows, 2^bits]``
+    tile reshaped to ``[rows, 2, ..., 2]`` (key bit ``bits - 1`` first) and permuted by this order
+    holds, at column ``key_slot(c)``, column ``c``."""
+    source_bit = {key_slot(1 << bit).bit_length() - 1: bit for bit in range(bits)}
     return [0] + [bits - source_bit[bit] for bit in reversed(range(bits))]
 
 
-PV_KEY_DIMS = tl.constexpr(tuple(pv_key_dims()))
+PV_KEY_DIMS = tl.constexpr(tuple(key_order_dims(pv_key_slot)))
+DS_KEY_DIMS = tl.constexpr(tuple(key_order_dims(ds_key_slot)))
+# Token orders of a sequence-axis copy inside each 128-token slot (``store_sequence_copy``).
+NATURAL_ORDER, PV_ORDER, DS_ORDER = (tl.constexpr(order) for order in range(3))
 
 
 @triton.jit
-def columns_in_pv_key_order(x):
-    """A ``[rows, 128]`` tile (one whole key tile) with column ``c`` moved to column ``pv_key_slot(c)``,
-    in registers: how the producers store V^T, Q^T and dO^T for the Gluon kernels."""
+def columns_in_key_order(x, KEY_DIMS: tl.constexpr):
+    """A ``[rows, 128]`` tile (one whole key tile) with column ``c`` moved to column ``key_slot(c)``
+    of the order whose ``key_order_dims`` are KEY_DIMS, in registers: how the producers store V^T,
+    Q^T, dO^T (``pv_key_slot``) and K^T (``ds_key_slot``) for the Gluon kernels."""
     rows: tl.constexpr = x.shape[0]
     split = tl.reshape(x, [rows, 2, 2, 2, 2, 2, 2, 2])  # PV_KEY_BITS column bits
-    return tl.reshape(tl.permute(split, PV_KEY_DIMS.value), [rows, 128])
+    return tl.reshape(tl.permute(split, KEY_DIMS.value), [rows, 128])
 
 
 @triton.jit
 def store_sequence_copy(dst, tile, head, channels, seq_start, seq, rows, padded_total, D: tl.constexpr,
-                        PV_ORDER: tl.constexpr):
+                        ORDER: tl.constexpr):
     """Store one head's ``[len(rows), len(channels)]`` tile of sequence ``seq`` (``rows`` counted
     inside it) transposed into a sequence-axis copy ``[H, D, padded_total]``: each channel's tokens
-    contiguous, token ``i`` at column ``padded_seq_start + i``; with PV_ORDER the tile is one whole
-    128-token slot, its tokens in ``pv_key_slot`` order (what the Gluon kernels read)."""
+    contiguous, token ``i`` at column ``padded_seq_start + i``; with ORDER ``PV_ORDER`` or
+    ``DS_ORDER`` the tile is one whole 128-token slot, its tokens in ``pv_key_slot`` or
+    ``ds_key_slot`` order (what the Gluon kernels read)."""
     data = tl.trans(tile)  # in registers, so that each channel's tokens are stored contiguously
-    if PV_ORDER:
-        data = columns_in_pv_key_order(data)
+    if ORDER == PV_ORDER:
+        data = columns_in_key_order(data, PV_KEY_DIMS)
+    elif ORDER == DS_ORDER:
+        data = columns_in_key_order(data, DS_KEY_DIMS)
     columns = padded_seq_start(seq_start, seq) + rows
     tl.store(dst + (head.to(tl.int64) * D + channels[:, None]) * padded_total + columns[None, :], data)
 

@@ -219,7 +219,7 @@ def _sequence_exponent_kernel(
 def _rebase_sequence_kernel(
     src, scales, offsets, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, PV_KEY_ORDER: tl.constexpr, INTERPRET: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch,
                                                                              BLOCK_T, D, BLOCK_D)
@@ -236,7 +236,7 @@ def _rebase_sequence_kernel(
     rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, tl.load(entries)[None, :])[:, None, :], INTERPRET)
     # Columns past the end are zeros: stored too, so a KV tile may overrun the sequence without masks.
     layout.store_sequence_copy(dst, tl.reshape(rebased, (BLOCK_T, BLOCK_D)), head, channels, start, seq, rows, t_pad,
-                               D, PV_KEY_ORDER)
+                               D, ORDER)
 
 
 def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: int, device):
@@ -284,7 +284,8 @@ def _rebase_sequence(values, offsets, mx, rounding, work, pv_key_order=False):
         )
         _rebase_sequence_kernel[grid](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
-            PV_KEY_ORDER=pv_key_order, INTERPRET=fp8.INTERPRETED, **common, **config,
+            ORDER=layout.PV_ORDER if pv_key_order else layout.NATURAL_ORDER, INTERPRET=fp8.INTERPRETED,
+            **common, **config,
         )
     return transposed, exponent
 

@@ -23,6 +23,9 @@ from jagged_attn.reference import reference_backward, reference_forward
 from compile_util import compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
 
+# The token orders the Gluon kernel reads Q^T / dO^T and K^T in (hopper_bwd._backward_into's).
+GLUON_ORDERS = dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER)
+
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
 
@@ -221,20 +224,35 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
             assert torch.equal(tensor, expected[name]), f"{name} differs from the oracle"
 
 
-def test_pv_order_stores_transposed_tokens_in_pv_key_slot_order():
-    """The producer's ``pv_order`` copy (what the Gluon kernel reads) is the natural transposed copy
-    with each 128-token slot's columns in ``layout.pv_key_slot`` order; everything else equal."""
+@pytest.mark.parametrize("order, key_slot", [(layout.PV_ORDER, layout.pv_key_slot),
+                                              (layout.DS_ORDER, layout.ds_key_slot)])
+def test_ordered_copies_are_the_natural_copy_permuted_in_each_slot(order, key_slot):
+    """The producer's ``PV_ORDER`` and ``DS_ORDER`` copies (what the Gluon kernel reads as Q^T, dO^T
+    and K^T) are the natural transposed copy with each 128-token slot's columns in ``pv_key_slot``
+    or ``ds_key_slot`` order; everything else equal."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 31, 129], [1, 1, 1, 1], 4, 2, 64)
     natural, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=2)
     reordered, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
-                                           group=2, pv_order=True)
+                                           group=2, order=order)
     columns = torch.arange(128, natural.sequence.shape[2])  # the empty sequence 0's slot is never written or read
-    slots = columns // 128 * 128 + layout.pv_key_slot(columns % 128)
+    slots = columns // 128 * 128 + key_slot(columns % 128)
     assert torch.equal(reordered.sequence[..., slots].view(torch.uint8), natural.sequence[..., 128:].view(torch.uint8))
     for name in ("feature", "feature_scale", "sequence_scale"):
         a, b = getattr(natural, name), getattr(reordered, name)
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_ds_key_order_pairs_each_threads_rows():
+    """``ds_key_slot`` puts keys r and r + 8 of every 16 (one thread's two rows of a wgmma
+    accumulator) in adjacent bytes, r first, and permutes each 16-key group in place."""
+    keys = torch.arange(128)
+    slots = layout.ds_key_slot(keys)
+    assert torch.equal(slots.sort().values, keys)
+    assert torch.equal(slots // 16, keys // 16)
+    low = keys[keys % 16 < 8]
+    assert torch.equal(layout.ds_key_slot(low + 8), layout.ds_key_slot(low) + 1)
+    assert torch.equal(layout.ds_key_slot(low) % 2, torch.zeros_like(low))
 
 
 def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
@@ -247,7 +265,8 @@ def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
     monkeypatch.setattr(hopper_bwd, "max_length", host_sync)
     q, k, v, dout, offsets_q, offsets_k = make_inputs([0, 1, 129, 33], [5, 0, 64, 200], 4, 2, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True, exact_scores=True)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS,
+                                exact_scores=True)
     assert prep.tiles_q.shape[0] == prep.total_q // hopper_bwd.PRODUCER_TILE + prep.batch
     with pytest.raises(AssertionError, match="synchronizes"):
         prep.max_len_q  # the Triton kernels' grids still read it
@@ -280,7 +299,7 @@ def test_gluon_kernel_arguments_build_on_the_host():
     lengths_q, heads_q, heads_kv, dim = [0, 3, 130, 1], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS)
     dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, heads_q, dim)
     descriptors = hopper_bwd_ws._descriptors(prep, dq_accum)
     rows = hopper_bwd_ws.BLOCK_M.value
@@ -333,7 +352,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     built on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, pv_order=True,
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS,
                                 exact_scores=exact_scores)
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
     dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, 8, dim)
@@ -515,12 +534,12 @@ def test_gpu_timing():
             ms = _median_ms(_ours, *problem, causal=causal, softmax_scale=scale, deterministic=deterministic, **config)
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
         # Where the Gluon kernel's time goes: producers, the kernel with and without dQ, the Triton dQ kernel.
-        prep = hopper_bwd._Prepared(*problem, pv_order=True, exact_scores=True)
+        prep = hopper_bwd._Prepared(*problem, **GLUON_ORDERS, exact_scores=True)
         dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, *q.shape[1:], device="cuda")
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [
-            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, pv_order=True, exact_scores=True)),
+            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, **GLUON_ORDERS, exact_scores=True)),
             ("Gluon dK/dV kernel + dQ reduce-adds", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
                                                                accumulate_dq=True, **launch)),
             ("Gluon dK/dV kernel, no dQ", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
