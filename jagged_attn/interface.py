@@ -88,12 +88,13 @@ def jagged_attention(
             Rows that see no key give 0 (and LSE = -inf).
         softmax_scale: defaults to ``1/sqrt(D)``.
         backend: ``"auto"`` (Triton on Hopper, exact on Blackwell, reference elsewhere),
-            ``"reference"``, ``"triton"`` (Hopper, S computed exactly), ``"triton-fast"`` (Hopper, S
-            from FP8 wgmma: ~1.1x faster, further from the reference on inputs with large scores)
+            ``"reference"``, ``"triton"`` (Hopper, S and the backward's dP computed exactly),
+            ``"triton-fast"`` (Hopper, both from FP8 wgmma: ~1.1x faster, further from the
+            reference on inputs with large scores)
             or ``"exact"``.
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
         deterministic: bit-identical gradients run to run (the ``triton`` backward then forms dQ
-            in a kernel of its own instead of adding partials in L2: 1.4-1.6x the backward's
+            in a kernel of its own instead of adding partials in L2: 1.4-1.7x the backward's
             time on an H200, dense d128).
         v_scaling: ``"sequence"`` (MX blocks of 32 tokens, the GEMM's reduction axis) or
             ``"token"`` (blocks along head_dim, one scale per token and 32 channels). With

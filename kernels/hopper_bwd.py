@@ -37,9 +37,10 @@ dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bu
 and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). On GPUs
 ``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of :func:`_dkdv_kernel` (producers
 storing the sequence-axis copies in the token orders it reads; its dQ sums scaled by
-:func:`_finish_dq_kernel`), by default on bf16 copies of Q and K's e4m3 values so that S is
-exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which on heavy-tailed or
-outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1 (docs/PERF.md, v6);
+:func:`_finish_dq_kernel`), by default on bf16 copies of Q, K, V and dO's e4m3 values so that S
+and dP are exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which on
+heavy-tailed or outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1
+(docs/PERF.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3 (v7, v8);
 the Triton kernels run in the CPU interpreter (CI).
 """
 
@@ -560,7 +561,8 @@ SCORE_MODES = ("bf16", "fp8")
 
 def _default_config(device: torch.device, kernel: str | None = None, scores: str = "bf16") -> dict:
     """The kernel and its configuration for ``device``: on CUDA the Gluon kernel (``kernel`` None or
-    "gluon"; S exact from bf16 copies of Q and K with ``scores="bf16"``, from FP8 wgmma with "fp8")
+    "gluon"; S and dP exact from bf16 copies of Q, K, V and dO with ``scores="bf16"``, from FP8
+    wgmma with "fp8")
     or the Triton kernel's GPU tiles ("triton"); in the CPU interpreter, which cannot run Gluon
     kernels, the Triton kernel with small tiles (its FP8 dots are exact there: ``scores`` moot)."""
     if kernel not in (None, *KERNELS):
@@ -608,15 +610,18 @@ class _Prepared:
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
-        # exact_scores: Q and K's feature copies (read only for S) as bf16, for the Gluon kernel's exact S.
+        # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
+        # as bf16 holding their e4m3 values, for the Gluon kernel's exact S and dP.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
         self.q, _, _ = _quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=group,
                                  order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q)
         self.k, _, _ = _quantize(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                  order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
-        self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, tiles=self.tiles_k)
+        self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
+                                 tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
-                                                   lse=lse, order=query_order, tiles=self.tiles_q)
+                                                   lse=lse, order=query_order, feature_dtype=score_dtype,
+                                                   tiles=self.tiles_q)
 
     @cached_property
     def max_len_q(self) -> int:
@@ -728,18 +733,19 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     (dq, dk, dv) in the inputs' dtypes.
 
     On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
-    S comes from a bf16 MMA on Q and K's e4m3 values (exact), with "fp8" from FP8 wgmma (~13-bit
-    accumulation). On an H200 (dense 8 x 8192 x 16, d128): 24.0 / 21.9 ms, cuDNN BF16 20.5 ms;
-    gradients within 1.1e-2 of the reference backend on all four input kinds of the tests with
-    "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6, v7).
-    ``kernel="triton"`` runs the Triton kernel there instead (46.5 ms); the CPU interpreter runs it.
+    S and dP come from bf16 MMAs on the e4m3 values of Q, K, V and dO (exact), with "fp8" from FP8
+    wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128): 24.0 / 21.4 ms, cuDNN
+    BF16 20.2 ms; gradients within 2.8e-3 of the reference backend on all four input kinds of the
+    tests with "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md,
+    v6-v8). ``kernel="triton"`` runs the Triton kernel there instead (46.3 ms); the CPU interpreter
+    runs it.
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
     reduce-adds on the GPU, atomics in the interpreter; the order varies run to run).
     ``deterministic=True`` computes dQ in a separate Triton kernel per query tile that loops over
-    its key tiles in order (S from the same Q and K copies, so exact with ``scores="bf16"``):
-    bit-identical results, at the price of recomputing S and dP there: 38.0 ms on the same H200
-    workload (docs/PERF.md, v7).
+    its key tiles in order (S and dP from the same copies, so exact with ``scores="bf16"``):
+    bit-identical results, at the price of recomputing S and dP there: 40.9 ms on the same H200
+    workload (docs/PERF.md, v8).
     """
     _check_inputs(dout, q, k, v, out, lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

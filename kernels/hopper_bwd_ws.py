@@ -24,18 +24,21 @@ each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, 
 small steps against a large running sum); dV chains (measured accurate enough, and registers are
 short). dQ's fp32 partials are added in L2, in units that ``hopper_bwd``'s dQ pass scales.
 
-S^T comes from a bf16 wgmma when the producer stored Q and K's e4m3 values as bf16
-(``exact_scores``, the default: fp32 accumulation, so S is exact) and from FP8 wgmma otherwise
-(~13-bit accumulation). Operands, scales and their folding are exactly those of ``hopper_bwd``
-(its docstring and producers): per-token scales on the feature axis (applied to S^T and dP^T),
-per-(sequence, channel) scales on the sequence axis (applied in the epilogues), Q and K's sequence
-copies divided by each token's scale with that scale folded into dS, P on the static 2^8 scale and
-dS on a running per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
+S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's e4m3 values as bf16
+(``exact_scores``, the default: fp32 accumulation, so S and dP are exact) and from FP8 wgmma
+otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
+outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; PERF.md v6-v8).
+Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
+producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
+scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
+token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
+per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v7): exact S 1.9x the Triton kernel's speed (0.86x cuDNN's
-BF16 backward, dense d128), gradients within 1.1e-2 of the reference backend on every input kind
-of the tests; FP8 S (backend ``triton-fast``) 2.1x, 1.5e-2 to 2e-1 from the reference on
-heavy-tailed and outlier inputs. The dQ warpgroup is the critical path (PERF.md v7).
+Measured on an H200 (docs/PERF.md, v8): exact S and dP 1.9x the Triton kernel's speed (0.84x
+cuDNN's BF16 backward, dense d128), gradients within 2.8e-3 of the reference backend on every
+input kind of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of the reference's;
+FP8 S and dP (backend ``triton-fast``) 2.2x (0.94x cuDNN), 1.5e-2 to 2e-1 from the reference on
+heavy-tailed and outlier inputs. The dQ warpgroup is the critical path (PERF.md v7, v8).
 """
 from __future__ import annotations
 
@@ -168,12 +171,12 @@ def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER:
 
 @gluon.jit
 def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
-             tiles_per_head, D: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+             tiles_per_head, D: gl.constexpr, DQ_SLOTS: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, ``DQ_PIECE`` columns at a time, added into
-    ``dq_desc`` by TMA reduce-adds from ``dq_smem`` (``DQ_BUFFERS`` buffers of ``D / DQ_PIECE``
-    pieces, used in turn). One accumulator chains both halves of the keys: consumer 0's product
-    is brought to consumer 1's dS scale (a power-of-two ratio: exact) before consumer 1's product
-    adds to it; see ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
+    ``dq_desc`` by TMA reduce-adds from ``dq_smem`` (``DQ_SLOTS`` pieces, used in turn). One
+    accumulator chains both halves of the keys: consumer 0's product is brought to consumer 1's dS
+    scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
+    ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
     PIECES: gl.constexpr = D // DQ_PIECE
     piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_PIECE, 32])
@@ -194,8 +197,8 @@ def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_fre
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
         part = warpgroup_mma(ds1, k1, part * ratio[:, None], is_async=True)
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
-        slot = (i % DQ_BUFFERS) * PIECES + piece
-        tma.store_wait(DQ_BUFFERS * PIECES - 1)  # the slot's last add has read it ...
+        slot = (i * PIECES + piece) % DQ_SLOTS
+        tma.store_wait(DQ_SLOTS - 1)  # the slot's last add has read it ...
         gl.thread_barrier()  # ... as seen by the thread that issued it
         dq_smem.index(slot).store(part * scale1[:, None])
         fence_async_shared()
@@ -209,7 +212,7 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
                             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc,
                             kv_ready, ds_ready, ds_free, q_start, padded_q_start, padded_q, first_head, m_lo,
                             tiles_per_head, n_steps,
-                            HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                            HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_SLOTS: gl.constexpr,
                             ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
     steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
@@ -228,7 +231,7 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
                        tiles_per_head, HEADS_Q, D, STAGES)
         if ACCUMULATE_DQ:
             _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
-                     tiles_per_head, D, DQ_BUFFERS)
+                     tiles_per_head, D, DQ_SLOTS)
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read dq_smem before the program exits
 
@@ -272,8 +275,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     # Steps whose query tile some key of the program does not see (causal), or all of them
     # when the key tile runs past the sequence, need the mask.
     partial_keys = n_start + BLOCK_N > len_k
-    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-    # S^T from bf16 copies of Q and K's e4m3 values (exact: fp32 accumulation) or from e4m3 itself.
+    # S^T and dP^T from bf16 copies of Q, K, V and dO's e4m3 values (exact: fp32 accumulation) or
+    # from e4m3 itself.
     S_K: gl.constexpr = 16 if k_desc.dtype == gl.bfloat16 else 32
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, S_K])
@@ -296,9 +299,10 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         s = warpgroup_mma(k_smem, q_view, score_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         do_view = do_smem.index(stage).permute((1, 0))
-        dp = warpgroup_mma(v_smem, do_view, s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_smem, do_view, score_zero, use_acc=False, is_async=True)
         s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, k_smem, q_view, v_smem, do_view))
         s = gl.convert_layout(s, s_layout, assert_trivial=True)
+        dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
         q_factor = gl.where(query_in, row_smem.index(rows + Q_FACTOR).load(s_cols), 0.0)
         row_lse2 = gl.where(query_in, row_smem.index(rows + LSE2).load(s_cols), float("inf"))
@@ -384,11 +388,11 @@ def _attention_backward_kernel(
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    # Buffers of dQ pieces for the dQ warpgroup, each read by its TMA reduce-adds while the next is
-    # written (one when bf16 Q and K leave no room for two).
-    DQ_BUFFERS: gl.constexpr = 1 if k_desc.dtype == gl.bfloat16 else 2
-    dq_pieces: gl.constexpr = DQ_BUFFERS * (D // DQ_PIECE)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [dq_pieces, BLOCK_M, DQ_PIECE], dq_desc.layout)
+    # Staging slots of dQ pieces for the dQ warpgroup, each read by its TMA reduce-add while the
+    # next ones are written: two steps' pieces, or two pieces where the bf16 operands of the exact
+    # S and dP leave no more room.
+    DQ_SLOTS: gl.constexpr = 2 if k_desc.dtype == gl.bfloat16 else 2 * (D // DQ_PIECE)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BLOCK_M, DQ_PIECE], dq_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -415,7 +419,7 @@ def _attention_backward_kernel(
                                        dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem,
                                        dq_smem, dq_desc, kv_ready, ds_ready, ds_free, q_start.to(gl.int32),
                                        padded_q_start, padded_q, first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D,
-                                       STAGES, DQ_BUFFERS, ACCUMULATE_DQ)),
+                                       STAGES, DQ_SLOTS, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
                         ds_ready, ds_free,

@@ -344,8 +344,8 @@ def test_exact_score_copies_hold_the_e4m3_values():
 @pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores",
                          [(128, True, True, True), (128, False, True, False), (64, False, False, True)])
 def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores):
-    """FP8 wgmma for the GEMMs after S (P^T and dS^T straight from registers), S^T by a bf16 wgmma
-    with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
+    """FP8 wgmma for dV, dK and dQ (P^T and dS^T straight from registers), S^T and dP^T by bf16
+    wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
     warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated; and no wgmma
     serialized by ptxas, which it does to every wgmma of the kernel when one partition is short of
     registers (note C7512: 23.9 against 21.7 ms on an H200). The descriptors are the launcher's own,
@@ -366,7 +366,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     ptx = compile_ptx("jagged_attn.kernels.hopper_bwd_ws", "_attention_backward_kernel", signature, constexprs,
                       arch=90, gluon=True)
     wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
-    fp8 = {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in (64, dim)}
+    fp8 = {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in ((dim,) if exact_scores else (64, dim))}
     if accumulate_dq:  # the dQ warpgroup's pieces: N = DQ_PIECE
         fp8.add(f"wgmma.mma_async.sync.aligned.m64n{hopper_bwd_ws.DQ_PIECE.value}k32.f32.e4m3.e4m3")
     bf16 = {"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"} if exact_scores else set()
@@ -442,9 +442,12 @@ GLUON_CASES = [
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"q{len(c[0])}-h{c[2]}/{c[3]}-d{c[4]}")
 def test_gpu_gluon_kernel_matches_the_triton_kernel(case, causal):
-    """The Gluon kernel (exact and FP8 S, and with the deterministic dQ) and the Triton kernels (what CI
-    interprets) on ragged lengths around the tile sizes: every element written (NaN-poisoned buffers),
-    equal up to the order and truncation of FP8 wgmma accumulation (measured up to 7e-3 apart)."""
+    """The Gluon kernel (exact and FP8 S and dP, and with the deterministic dQ) and the Triton kernels
+    (what CI interprets) on ragged lengths around the tile sizes: every element written (NaN-poisoned
+    buffers), equal up to the order and truncation of FP8 wgmma accumulation: within 1e-2 where the
+    Gluon kernel's S and dP are exact (the Triton kernel's FP8 accumulation alone, measured up to
+    7e-3), 2e-2 where both accumulate in FP8 differently (the Gluon kernel over all 128 channels,
+    the Triton kernel's S promoted every 32; measured 1.015e-2 on one Gaussian draw, seed 25480521)."""
     lengths_q, lengths_k, heads_q, heads_kv, dim = case
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, device="cuda",
                                                       dtype=torch.bfloat16)
@@ -458,7 +461,8 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(case, causal):
         for name, g, t in zip(("dq", "dk", "dv"), grads, triton_grads):
             label = f"{name} det={deterministic} exact={exact_scores}"
             assert torch.isfinite(g).all(), f"{label}: unwritten (NaN) elements"
-            assert rel_l2(g, t) < 1e-2, f"{label}: rel-L2 {rel_l2(g, t):.3e} vs Triton"
+            bound = 1e-2 if exact_scores else 2e-2
+            assert rel_l2(g, t) < bound, f"{label}: rel-L2 {rel_l2(g, t):.3e} vs Triton"
 
 
 @pytest.mark.gpu
