@@ -539,6 +539,8 @@ def test_gpu_timing():
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
         # Where the Gluon kernel's time goes: producers, the kernel with and without dQ, the Triton dQ kernel.
         prep = hopper_bwd._Prepared(*problem, **GLUON_ORDERS, exact_scores=True)
+        # The deterministic path's Triton dQ kernel reads K^T in natural order (hopper_bwd._backward_into).
+        det_prep = hopper_bwd._Prepared(*problem, query_order=layout.PV_ORDER, exact_scores=True)
         dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, *q.shape[1:], device="cuda")
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
@@ -548,7 +550,7 @@ def test_gpu_timing():
                                                                accumulate_dq=True, **launch)),
             ("Gluon dK/dV kernel, no dQ", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
                                                      accumulate_dq=False, **launch)),
-            ("dQ kernel (deterministic path)", _median_ms(hopper_bwd._launch_dq, prep, torch.empty_like(q),
+            ("dQ kernel (deterministic path)", _median_ms(hopper_bwd._launch_dq, det_prep, torch.empty_like(q),
                                                           precise_scores=True, tma_reduce=False,
                                                           **launch, **hopper_bwd.GPU_DQ_TILES)),
         ]
