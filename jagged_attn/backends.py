@@ -15,8 +15,8 @@ e4m3 values: O within ~4e-3 and gradients within ~3e-3 of the reference on every
 docs/PERF.md); ``triton-fast`` is the same with S and dP from FP8 wgmma, whose reduced-precision
 accumulation puts O 1-4e-2 and the gradients 2e-2 to 2e-1 from the reference where scores are
 large (outlier channels, heavy-tailed norms, peaked attention), for 1.1x the forward's and
-1.1-1.2x the backward's speed at head_dim 128; ``exact`` is the spec-exact ``tl.dot_scaled`` path (native
-block-scaled MMA on sm_100+).
+1.1-1.2x the backward's speed at head_dim 128; ``exact`` is the spec-exact ``tl.dot_scaled`` path
+(native block-scaled MMA on sm_100+).
 """
 
 from __future__ import annotations
