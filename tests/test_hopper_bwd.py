@@ -341,6 +341,26 @@ def test_exact_score_copies_hold_the_e4m3_values():
     assert torch.equal(bf16.feature_scale, e4m3.feature_scale)
 
 
+def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
+    """With ``exact_scores`` (the GPU default) the producers give the feature copies of Q, K (S's
+    operands) and of V, dO (dP's) as bf16 holding exactly the e4m3 values of the FP8 preparation;
+    every other output (sequence copies, scales, Delta, lse2) is the same."""
+    # No empty sequence: its slot of the sequence copies is never written (nor read).
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    fp8 = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS)
+    exact = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS, exact_scores=True)
+    for name in ("q", "k", "v", "do"):
+        a, b = getattr(fp8, name), getattr(exact, name)
+        assert b.feature.dtype == torch.bfloat16, name
+        assert torch.equal(b.feature.float(), a.feature.float()), name
+        assert torch.equal(b.feature_scale, a.feature_scale), name
+        if name != "v":
+            assert torch.equal(b.sequence.view(torch.uint8), a.sequence.view(torch.uint8)), name
+            assert torch.equal(b.sequence_scale, a.sequence_scale), name
+    assert torch.equal(exact.delta, fp8.delta) and torch.equal(exact.lse2, fp8.lse2)
+
+
 @pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores",
                          [(128, True, True, True), (128, False, True, False), (64, False, False, True)])
 def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores):
