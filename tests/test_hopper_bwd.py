@@ -16,7 +16,7 @@ import torch
 from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws, layout
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.mxfp8 import quantize_mxfp8
-from jagged_attn.kernels.schedule import tile_list
+from jagged_attn.kernels.schedule import slot_tiles, tile_list
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.reference import reference_backward, reference_forward
 
@@ -582,14 +582,19 @@ def test_gpu_timing():
 
 @pytest.mark.gpu
 def test_gpu_preprocessing_bandwidth():
-    """The dO producer (amax pass + quantize pass with Delta) against a device-to-device copy."""
+    """The dO producer as the default backward runs it (amax pass + quantize pass with Delta; the
+    feature copy as bf16 e4m3 values for the exact dP, dO^T in pv order, the slot table built once
+    per call and shared, as ``hopper_bwd._Prepared`` does) against a device-to-device copy."""
     _, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
-    produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse)
-    # Bytes: dO read twice (amax pass, quantize pass), O once; e4m3 written twice; per-token fp32 in/out.
+    tiles = slot_tiles(offsets_q, dout.shape[0])
+    produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse,
+                            order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles)
+    # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
+    # sequence copy written; per-token fp32 in/out.
     elements = dout.numel()
-    produce_bytes = elements * (3 * dout.element_size() + 2) + dout.shape[0] * dout.shape[1] * 4 * 4
+    produce_bytes = elements * (3 * dout.element_size() + 2 + 1) + dout.shape[0] * dout.shape[1] * 4 * 4
     produce_bandwidth = produce_bytes / produce_ms * 1e-6
     print(f"[bwd-producer] copy {copy_bandwidth:.0f} GB/s; dO producer {produce_ms:.3f} ms "
           f"{produce_bandwidth:.0f} GB/s = {produce_bandwidth / copy_bandwidth:.0%} of copy")
