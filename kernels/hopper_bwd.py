@@ -599,6 +599,7 @@ class _Prepared:
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
                  key_order=NATURAL_ORDER, exact_scores=False):
         """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders)."""
+        self.query_order, self.key_order = query_order, key_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
         self.total_q, self.total_k = q.shape[0], k.shape[0]

@@ -480,6 +480,9 @@ def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumu
     without ``accumulate_dq`` it is never touched (``[BLOCK_M, Hq, D]`` serves its descriptor).
     ``prep`` is ``hopper_bwd``'s producer output, made with ``query_order=PV_ORDER`` and, with
     ``accumulate_dq``, ``key_order=DS_ORDER`` (``layout``'s token orders)."""
+    if prep.query_order != layout.PV_ORDER or (accumulate_dq and prep.key_order != layout.DS_ORDER):
+        raise ValueError("the Gluon kernel reads Q^T and dO^T in PV_ORDER and, for dQ, K^T in DS_ORDER; "
+                         f"got query_order={prep.query_order}, key_order={prep.key_order}")
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, BLOCK_N.value, causal=causal, rows_are_queries=False)
     if not work.shape[0]:
         return

@@ -341,6 +341,20 @@ def test_exact_score_copies_hold_the_e4m3_values():
     assert torch.equal(bf16.feature_scale, e4m3.feature_scale)
 
 
+@pytest.mark.parametrize("orders, accumulate_dq", [(dict(), False), (dict(query_order=layout.PV_ORDER), True),
+                                                   (dict(key_order=layout.DS_ORDER), False)])
+def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq):
+    """The Gluon kernel reads Q^T and dO^T in ``PV_ORDER`` and, when it accumulates dQ, K^T in
+    ``DS_ORDER``: a producer output in other orders would give wrong gradients, so it is refused
+    before any launch."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 70], [5, 64], 2, 1, 64)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
+    with pytest.raises(ValueError, match="PV_ORDER"):
+        hopper_bwd_ws.launch(prep, torch.zeros(80, 2, 64), torch.empty_like(k), torch.empty_like(v),
+                             softmax_scale=0.125, causal=False, accumulate_dq=accumulate_dq)
+
+
 def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     """With ``exact_scores`` (the GPU default) the producers give the feature copies of Q, K (S's
     operands) and of V, dO (dP's) as bf16 holding exactly the e4m3 values of the FP8 preparation;
