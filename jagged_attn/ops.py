@@ -64,6 +64,9 @@ def attention_gradients(ctx, dout):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis = inputs
+    # An output the loss does not use gets None, not zeros: dlse is then checked (a wait for the
+    # device) only when the caller differentiates through the LSE, not on every backward.
+    ctx.set_materialize_grads(False)
     save_for_attention_backward(ctx, q, k, v, *output, offsets_q, offsets_k, causal, softmax_scale, backend,
                                 deterministic)
 
@@ -71,6 +74,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     if dlse is not None and not values_unavailable(dlse) and bool((dlse != 0).any()):
         raise NotImplementedError("gradients through the returned LSE are not supported")
+    if dout is None:  # only the LSE took part in the loss, with a zero gradient
+        return (None,) * 10
     return *attention_gradients(ctx, dout), None, None, None, None, None, None, None
 
 

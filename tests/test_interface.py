@@ -84,6 +84,23 @@ def test_gradient_through_lse_is_refused():
         lse[torch.isfinite(lse)].sum().backward()
 
 
+def test_backward_reads_no_lse_gradient_the_loss_does_not_use(monkeypatch):
+    """The LSE is an output of the attention op; when the loss uses only O, the backward gets no
+    LSE gradient (not a zeros tensor) and so never inspects its values, which on a GPU would make
+    the host wait for the device on every backward."""
+    from jagged_attn import ops
+
+    def inspected(t):
+        raise AssertionError("the backward inspected an LSE gradient")
+
+    monkeypatch.setattr(ops, "values_unavailable", inspected)
+    q, k, v, oq, ok = _inputs()
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    out, lse = ja.jagged_attention(*leaves, oq, ok, return_lse=True)
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
 def test_auto_backend_on_cpu_is_reference():
     assert backends.auto_backend_name(torch.device("cpu")) == "reference"
 
