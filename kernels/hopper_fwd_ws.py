@@ -280,7 +280,7 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
     config = tile_config(q.head_dim, scores)
     exact = scores == "bf16"
     rebased_q = rebase_feature(q, group=1, exact=exact)
-    rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=exact, pv_key_order=True)
+    rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER)
     return _forward(*rebased_q, *rebased_kv, q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale,
                     out_dtype=out_dtype, config=config)
 
@@ -291,6 +291,7 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
     rebased_q = quantize_rebase_feature(q, offsets_q, group=1, exact=exact)
-    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, pv_key_order=True)
+    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact,
+                                    v_order=layout.PV_ORDER)
     return _forward(*rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
                     out_dtype=q.dtype if out_dtype is None else out_dtype, config=config)

@@ -265,7 +265,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     return data, factor
 
 
-def _rebase_sequence(values, offsets, mx, rounding, work, pv_key_order=False):
+def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
@@ -284,8 +284,7 @@ def _rebase_sequence(values, offsets, mx, rounding, work, pv_key_order=False):
         )
         _rebase_sequence_kernel[grid](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
-            ORDER=layout.PV_ORDER if pv_key_order else layout.NATURAL_ORDER, INTERPRET=fp8.INTERPRETED,
-            **common, **config,
+            ORDER=order, INTERPRET=fp8.INTERPRETED, **common, **config,
         )
     return transposed, exponent
 
@@ -322,19 +321,19 @@ def quantize_rebase_sequence(values: torch.Tensor, offsets: torch.Tensor, roundi
     return _rebase_sequence(values, offsets, None, rounding, slot_tiles(offsets, values.shape[0]))
 
 
-def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, pv_key_order: bool = False):
+def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, v_order=layout.NATURAL_ORDER):
     """``(*rebase_feature(k, group, exact), *rebase_sequence(v))`` with one tile list for both passes;
-    ``pv_key_order`` stores V^T's keys in ``layout.pv_key_slot`` order within each 128-key tile."""
+    ``v_order`` (a ``layout`` token order, e.g. ``PV_ORDER``) orders V^T's keys within each 128-key tile."""
     work = slot_tiles(k.offsets, k.total)
     return (*_rebase_feature(k.data, k.offsets, k, k.rounding, group, exact, work),
-            *_rebase_sequence(v.data, v.offsets, v, v.rounding, work, pv_key_order))
+            *_rebase_sequence(v.data, v.offsets, v, v.rounding, work, v_order))
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
-                       pv_key_order: bool = False):
+                       v_order=layout.NATURAL_ORDER):
     """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
-    with one tile list for both passes (``pv_key_order`` as in :func:`rebase_kv`)."""
+    with one tile list for both passes (``v_order`` as in :func:`rebase_kv`)."""
     work = slot_tiles(offsets, k.shape[0])
     return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work),
-            *_rebase_sequence(v, offsets, None, "rceil", work, pv_key_order))
+            *_rebase_sequence(v, offsets, None, "rceil", work, v_order))
 

@@ -113,7 +113,7 @@ def backward_and_step_ms(name, forward, inputs, dout):
 
 def ours(w: Workload, backward: bool, sweep_configs=()):
     from jagged_attn import quantize_mxfp8
-    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, rebase
+    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
 
     mq = quantize_mxfp8(w.q, w.offsets_q)
     mk = quantize_mxfp8(w.k, w.offsets_k)
@@ -127,7 +127,8 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
         exact = scores == "bf16"
         config = hopper_fwd_ws.tile_config(w.dim, scores)
         rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
-        rebase_kv = functools.partial(rebase.rebase_kv, mk, mv, config["BLOCK_N"], exact=exact, pv_key_order=True)
+        rebase_kv = functools.partial(rebase.rebase_kv, mk, mv, config["BLOCK_N"], exact=exact,
+                                      v_order=layout.PV_ORDER)
         rebased = (*rebase_q(), *rebase_kv())
         results[f"{name} kernel"] = median_ms(lambda: hopper_fwd_ws._forward(
             *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward))

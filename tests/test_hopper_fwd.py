@@ -387,7 +387,7 @@ def test_rebase_kv_in_pv_key_order_permutes_each_tile(poisoned):
     _, k, v, _, offsets_k = make_inputs([3], [0, 1, 129, 200], 1, 2, 64)
     mk, mv = quantize_mxfp8(k, offsets_k), quantize_mxfp8(v, offsets_k, axis="sequence")
     natural = rebase.rebase_kv(mk, mv, 128)
-    reordered = rebase.rebase_kv(mk, mv, 128, pv_key_order=True)
+    reordered = rebase.rebase_kv(mk, mv, 128, v_order=layout.PV_ORDER)
     for a, b in zip(natural[:2] + natural[3:], reordered[:2] + reordered[3:]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # K and the V exponents are untouched
     slots = torch.arange(natural[2].shape[2])
