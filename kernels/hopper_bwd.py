@@ -659,8 +659,8 @@ def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_re
     )
 
 
-def _launch_dq(prep, dq, *, softmax_scale, tma_reduce, block_m, block_n, **shape):
-    """dQ by the deterministic kernel (``tma_reduce`` does not apply)."""
+def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
+    """dQ by the deterministic kernel."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     _dq_kernel[(triton.cdiv(prep.max_len_q, block_m) * prep.batch, prep.heads_q)](
         q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
@@ -682,8 +682,7 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
     if prep.total_q == 0:
         return
     if deterministic:
-        _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, tma_reduce=False,
-                   **GPU_DQ_TILES)
+        _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, **GPU_DQ_TILES)
     elif prep.total_k > 0:
         _finish_dq_kernel[(prep.tiles_q.shape[0], prep.heads_q)](
             dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
@@ -709,10 +708,11 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
+    tma_reduce = config.pop("tma_reduce")  # how dK/dV's kernel adds dQ; the deterministic dQ kernel adds none
     launch = dict(softmax_scale=softmax_scale, causal=causal, **config)
     if prep.total_k > 0:
         dq_accum = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _launch_dkdv(prep, dq_accum, dk, dv, accumulate_dq=not deterministic, **launch)
+        _launch_dkdv(prep, dq_accum, dk, dv, accumulate_dq=not deterministic, tma_reduce=tma_reduce, **launch)
     if prep.total_q == 0:
         return
     if deterministic:

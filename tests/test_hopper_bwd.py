@@ -585,7 +585,7 @@ def test_gpu_timing():
             ("Gluon dK/dV kernel, no dQ", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
                                                      accumulate_dq=False, **launch)),
             ("dQ kernel (deterministic path)", _median_ms(hopper_bwd._launch_dq, det_prep, torch.empty_like(q),
-                                                          precise_scores=True, tma_reduce=False,
+                                                          precise_scores=True,
                                                           **launch, **hopper_bwd.GPU_DQ_TILES)),
         ]
         rows += [(f"  part causal={causal:d}: {name}", ms, 0.0) for name, ms in parts]
