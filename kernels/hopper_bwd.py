@@ -164,10 +164,12 @@ def _quantize_kernel(
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
     out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
+    rows_ptr,  # fp32 [vectors, H, padded]: per-query vectors in padded slots (the Gluon kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    ORDER: tl.constexpr, INTERPRET: tl.constexpr,
+    ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, LSE2_ROW: tl.constexpr, DELTA_ROW: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
 
@@ -177,7 +179,8 @@ def _quantize_kernel(
     them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
     fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key).
+    no key). SCALE_ROW (and with DELTA, LSE2_ROW and DELTA_ROW) >= 0: the token scales (lse2,
+    Delta) also go to that vector of ``rows_ptr``, the whole slot, zeros past the sequence's end.
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
@@ -185,11 +188,14 @@ def _quantize_kernel(
     x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
     tokens = seq_start + rows
     channels = tl.arange(0, HEAD_DIM)
+    padded_rows = rows_ptr + h * padded + padded_seq_start(seq_start, b) + rows  # vector 0 of this head
     if FEATURE:
         byte = _token_scale_byte(x)
         data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
         tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
         tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+        if SCALE_ROW >= 0:
+            tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, scale_value(byte), 0.0))
     if SEQUENCE:
         group = h // GROUP
         amax_bits = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
@@ -201,10 +207,14 @@ def _quantize_kernel(
         tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
     if DELTA:
         o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-        tl.store(delta_ptr + h * total + tokens, tl.sum(x * o, axis=1), mask=in_seq)
+        delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
+        tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
         lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+        if SCALE_ROW >= 0:
+            tl.store(padded_rows + LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2, 0.0))
+            tl.store(padded_rows + DELTA_ROW * HEADS * padded, delta)
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -497,7 +507,7 @@ class _Quantized:
 
 
 def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-              order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None):
+              order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
@@ -508,6 +518,9 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
+    ``rows``: ``(buffer, scale_row, lse2_row, delta_row)``: also write the token scales (and lse2,
+    Delta) into those vectors of the fp32 ``[vectors, H, padded]`` buffer, each sequence from its
+    ``padded_seq_start``, zeros past its end (the Gluon kernel's per-query vectors).
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -534,15 +547,17 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     if sequence:
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
+    rows_buffer, scale_row, lse2_row, delta_row = rows if rows is not None else (unused, -1, -1, -1)
     _quantize_kernel[grid](
         x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
         amax if sequence else unused, result.sequence if sequence else unused,
         result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused,
-        delta if with_delta else unused, lse2 if with_delta else unused,
+        delta if with_delta else unused, lse2 if with_delta else unused, rows_buffer,
         total, padded, batch, GROUP=group,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, INTERPRET=fp8.INTERPRETED, **shape,
+        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, SCALE_ROW=scale_row,
+        LSE2_ROW=lse2_row, DELTA_ROW=delta_row, INTERPRET=fp8.INTERPRETED, **shape,
     )
     return result, delta, lse2
 
@@ -597,8 +612,9 @@ class _Prepared:
     """The producers' outputs for one backward call, plus the sizes the launches need."""
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
-                 key_order=NATURAL_ORDER, exact_scores=False):
-        """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders)."""
+                 key_order=NATURAL_ORDER, exact_scores=False, row_vectors=False):
+        """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders);
+        ``row_vectors``: also the Gluon kernel's per-query vectors in padded slots (``self.rows``)."""
         self.query_order, self.key_order = query_order, key_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
@@ -614,15 +630,23 @@ class _Prepared:
         # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
         # as bf16 holding their e4m3 values, for the Gluon kernel's exact S and dP.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
+        self.rows = None
+        q_rows = do_rows = None
+        if row_vectors:
+            self.rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
+                                    device=q.device)
+            ws = hopper_bwd_ws
+            q_rows = (self.rows, ws.Q_FACTOR.value, -1, -1)
+            do_rows = (self.rows, ws.DO_FACTOR.value, ws.LSE2.value, ws.DELTA.value)
         self.q, _, _ = _quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=group,
-                                 order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q)
+                                 order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q, rows=q_rows)
         self.k, _, _ = _quantize(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                  order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
         self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
                                  tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
                                                    lse=lse, order=query_order, feature_dtype=score_dtype,
-                                                   tiles=self.tiles_q)
+                                                   tiles=self.tiles_q, rows=do_rows)
 
     @cached_property
     def max_len_q(self) -> int:
@@ -704,7 +728,8 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
             raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
         # The deterministic path's Triton dQ kernel reads K^T in natural order.
         prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=PV_ORDER,
-                         key_order=NATURAL_ORDER if deterministic else DS_ORDER, exact_scores=exact_scores)
+                         key_order=NATURAL_ORDER if deterministic else DS_ORDER, exact_scores=exact_scores,
+                         row_vectors=True)
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)

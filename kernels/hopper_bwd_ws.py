@@ -42,7 +42,6 @@ heavy-tailed and outlier inputs. The dQ warpgroup is the critical path (PERF.md 
 """
 from __future__ import annotations
 
-import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -55,8 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-from jagged_attn.offsets import padded_rows_of_tokens, sequence_ids
 
 from . import layout
 from .schedule import work_list
@@ -441,14 +438,13 @@ def _attention_backward_kernel(
 
 
 def _padded_row_vectors(prep) -> TensorDescriptor:
-    """The per-query vectors (Q token scales, lse2, dO token scales, Delta; fp32 ``[Hq, total_q]``
-    each) copied to one flat ``[ROW_VECTORS, Hq, padded_q]`` buffer, sequence ``b`` at
-    ``padded_seq_start``, read ``BLOCK_M`` at a time: TMA needs a 16-byte aligned start, which
-    sequences at arbitrary offsets do not give."""
-    vectors = torch.stack([prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta])
-    padded = torch.zeros(ROW_VECTORS.value, prep.heads_q, prep.padded_q, dtype=torch.float32, device=vectors.device)
-    padded[..., padded_rows_of_tokens(prep.offsets_q, sequence_ids(prep.offsets_q, prep.total_q))] = vectors
-    flat = padded.view(-1)
+    """The per-query vectors (Q token scales, lse2, dO token scales, Delta) as the producers wrote
+    them (``_Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
+    sequence ``b`` at ``padded_seq_start``, zeros past its end, read ``BLOCK_M`` at a time (TMA needs
+    a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
+    if prep.rows is None:
+        raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: _Prepared(row_vectors=True)")
+    flat = prep.rows.view(-1)
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value],
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 

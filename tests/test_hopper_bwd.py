@@ -23,8 +23,9 @@ from jagged_attn.reference import reference_backward, reference_forward
 from compile_util import compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
 
-# The token orders the Gluon kernel reads Q^T / dO^T and K^T in (hopper_bwd._backward_into's).
-GLUON_ORDERS = dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER)
+# What hopper_bwd._backward_into prepares for the Gluon kernel: the token orders it reads Q^T / dO^T
+# and K^T in, and its padded per-query vectors.
+GLUON_PREPARATION = dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, row_vectors=True)
 
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
@@ -265,7 +266,7 @@ def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
     monkeypatch.setattr(hopper_bwd, "max_length", host_sync)
     q, k, v, dout, offsets_q, offsets_k = make_inputs([0, 1, 129, 33], [5, 0, 64, 200], 4, 2, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS,
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=True)
     assert prep.tiles_q.shape[0] == prep.total_q // hopper_bwd.PRODUCER_TILE + prep.batch
     with pytest.raises(AssertionError, match="synchronizes"):
@@ -295,11 +296,11 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
 def test_gluon_kernel_arguments_build_on_the_host():
     """What the Gluon launcher builds on the host (CPU tensors work): TMA descriptors with plain int
     blocks (as in test_hopper_fwd's twin), and the per-query vectors at 16-byte aligned padded rows,
-    zeros in between."""
+    zeros in between (an empty sequence's slot is never read)."""
     lengths_q, heads_q, heads_kv, dim = [0, 3, 130, 1], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS)
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
     dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, heads_q, dim)
     descriptors = hopper_bwd_ws._descriptors(prep, dq_accum)
     rows = hopper_bwd_ws.BLOCK_M.value
@@ -312,7 +313,34 @@ def test_gluon_kernel_arguments_build_on_the_host():
         start, slot = int(offsets_q[b]), layout.padded_seq_start(int(offsets_q[b]), b)
         for v_index, vector in enumerate(vectors):
             assert torch.equal(padded[v_index, :, slot:slot + length], vector[:, start:start + length])
-            assert not padded[v_index, :, slot + length:slot + 128].any()
+            if length:
+                assert not padded[v_index, :, slot + length:slot + 128].any()
+
+
+def test_producers_write_the_padded_row_vectors():
+    """With ``rows`` the Q and dO producers also write the token scales, lse2 and Delta into the
+    Gluon kernel's padded per-query vectors: each non-empty sequence from its ``padded_seq_start``,
+    zeros to the end of its last slot (the kernel reads 64-row windows there), nothing else."""
+    lengths, heads = [0, 3, 130, 1, 300], 4
+    q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, heads, 2, 64)
+    out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
+    padded_q = hopper_bwd.padded_total(q.shape[0], len(lengths))
+    rows = torch.full((hopper_bwd_ws.ROW_VECTORS.value, heads, padded_q), math.nan)
+    ws = hopper_bwd_ws
+    mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=(rows, ws.Q_FACTOR.value, -1, -1))
+    mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse,
+                                            rows=(rows, ws.DO_FACTOR.value, ws.LSE2.value, ws.DELTA.value))
+    vectors = {ws.Q_FACTOR.value: mq.feature_scale, ws.LSE2.value: lse2, ws.DO_FACTOR.value: mdo.feature_scale,
+               ws.DELTA.value: delta}
+    written = torch.zeros(padded_q, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        start, slot = int(offsets[b]), layout.padded_seq_start(int(offsets[b]), b)
+        end = slot + -(-length // 128) * 128
+        written[slot:end] = True
+        for index, vector in vectors.items():
+            assert torch.equal(rows[index, :, slot:slot + length], vector[:, start:start + length]), (b, index)
+            assert torch.equal(rows[index, :, slot + length:end], torch.zeros(heads, end - slot - length)), (b, index)
+    assert rows[:, :, ~written].isnan().all()
 
 
 def test_kernel_choice():
@@ -362,8 +390,9 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    fp8 = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS)
-    exact = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS, exact_scores=True)
+    fp8 = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    exact = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+                                 exact_scores=True)
     for name in ("q", "k", "v", "do"):
         a, b = getattr(fp8, name), getattr(exact, name)
         assert b.feature.dtype == torch.bfloat16, name
@@ -386,7 +415,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     built on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_ORDERS,
+    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=exact_scores)
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
     dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, 8, dim)
@@ -572,14 +601,15 @@ def test_gpu_timing():
             ms = _median_ms(_ours, *problem, causal=causal, softmax_scale=scale, deterministic=deterministic, **config)
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
         # Where the Gluon kernel's time goes: producers, the kernel with and without dQ, the Triton dQ kernel.
-        prep = hopper_bwd._Prepared(*problem, **GLUON_ORDERS, exact_scores=True)
+        prep = hopper_bwd._Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
         # The deterministic path's Triton dQ kernel reads K^T in natural order (hopper_bwd._backward_into).
         det_prep = hopper_bwd._Prepared(*problem, query_order=layout.PV_ORDER, exact_scores=True)
         dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, *q.shape[1:], device="cuda")
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [
-            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, **GLUON_ORDERS, exact_scores=True)),
+            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, **GLUON_PREPARATION,
+                                                 exact_scores=True)),
             ("Gluon dK/dV kernel + dQ reduce-adds", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
                                                                accumulate_dq=True, **launch)),
             ("Gluon dK/dV kernel, no dQ", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
