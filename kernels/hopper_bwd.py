@@ -76,7 +76,11 @@ from .layout import (
 from .schedule import SLOT_TOKENS, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
-PRODUCER_WARPS = 8
+# Warps of the producer's two passes: four each, two programs per SM (H200, dense 8 x 8192 x 16 d128 dO:
+# 0.53 -> 0.43 ms against eight each, docs/PERF.md v9), and of the dQ finish pass.
+AMAX_WARPS = 4
+QUANTIZE_WARPS = 4
+FINISH_DQ_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
 # the reference on peaked inputs and was not slower (docs/PERF.md), so it is the GPU default.
@@ -189,6 +193,16 @@ def _quantize_kernel(
     tokens = seq_start + rows
     channels = tl.arange(0, HEAD_DIM)
     padded_rows = rows_ptr + h * padded + padded_seq_start(seq_start, b) + rows  # vector 0 of this head
+    if DELTA:  # first, so that O's tile is dead before the copies are formed (sm_90: no spills)
+        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+        delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
+        tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
+        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+        if SCALE_ROW >= 0:
+            tl.store(padded_rows + LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2, 0.0))
+            tl.store(padded_rows + DELTA_ROW * HEADS * padded, delta)
     if FEATURE:
         byte = _token_scale_byte(x)
         data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
@@ -205,16 +219,6 @@ def _quantize_kernel(
         # The whole 128-token slot: zeros past the end.
         store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, ORDER)
         tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
-    if DELTA:
-        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-        delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
-        tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
-        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if SCALE_ROW >= 0:
-            tl.store(padded_rows + LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2, 0.0))
-            tl.store(padded_rows + DELTA_ROW * HEADS * padded, delta)
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -541,11 +545,10 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         return result, delta, lse2
     tiles = slot_tiles(offsets, total) if tiles is None else tiles
     grid = (tiles.shape[0], heads)
-    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens,
-                 num_warps=PRODUCER_WARPS)
+    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
     amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
-        _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, **shape)
+        _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
     rows_buffer, scale_row, lse2_row, delta_row = rows if rows is not None else (unused, -1, -1, -1)
     _quantize_kernel[grid](
@@ -557,7 +560,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         delta if with_delta else unused, lse2 if with_delta else unused, rows_buffer,
         total, padded, batch, GROUP=group,
         FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, SCALE_ROW=scale_row,
-        LSE2_ROW=lse2_row, DELTA_ROW=delta_row, INTERPRET=fp8.INTERPRETED, **shape,
+        LSE2_ROW=lse2_row, DELTA_ROW=delta_row, INTERPRET=fp8.INTERPRETED, num_warps=QUANTIZE_WARPS, **shape,
     )
     return result, delta, lse2
 
@@ -711,7 +714,7 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
         _finish_dq_kernel[(prep.tiles_q.shape[0], prep.heads_q)](
             dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
             prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
-            TILE=PRODUCER_TILE, num_warps=PRODUCER_WARPS)
+            TILE=PRODUCER_TILE, num_warps=FINISH_DQ_WARPS)
     else:
         dq.zero_()
 

@@ -627,18 +627,25 @@ def test_gpu_timing():
 @pytest.mark.gpu
 def test_gpu_preprocessing_bandwidth():
     """The dO producer as the default backward runs it (amax pass + quantize pass with Delta; the
-    feature copy as bf16 e4m3 values for the exact dP, dO^T in pv order, the slot table built once
-    per call and shared, as ``hopper_bwd._Prepared`` does) against a device-to-device copy."""
+    feature copy as bf16 e4m3 values for the exact dP, dO^T in pv order, the Gluon kernel's padded
+    per-query vectors, the slot table built once per call and shared, as ``hopper_bwd._Prepared``
+    does) against a device-to-device copy."""
     _, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
+    ws = hopper_bwd_ws
+    rows = torch.empty(ws.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense: no padding
     produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse,
-                            order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles)
+                            order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles,
+                            rows=(rows, ws.DO_FACTOR.value, ws.LSE2.value, ws.DELTA.value))
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
-    # sequence copy written; per-token fp32 in/out.
+    # sequence copy written; per token and head fp32: LSE read, scale, Delta, lse2 written twice.
     elements = dout.numel()
-    produce_bytes = elements * (3 * dout.element_size() + 2 + 1) + dout.shape[0] * dout.shape[1] * 4 * 4
+    produce_bytes = elements * (3 * dout.element_size() + 2 + 1) + dout.shape[0] * dout.shape[1] * 4 * 7
     produce_bandwidth = produce_bytes / produce_ms * 1e-6
     print(f"[bwd-producer] copy {copy_bandwidth:.0f} GB/s; dO producer {produce_ms:.3f} ms "
           f"{produce_bandwidth:.0f} GB/s = {produce_bandwidth / copy_bandwidth:.0%} of copy")
+    # The issue's target is 70% (measured 70% on an H200 with four warps per pass, 57% with eight);
+    # the bar sits below it by the spread between runs, to catch a regression such as spills.
+    assert produce_bandwidth >= 0.6 * copy_bandwidth
