@@ -51,8 +51,12 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # passes took 329-391 us with 32 channels on 1 warp against 470-578 us with 128 on 4 (bf16 [65536,
 # 16, 128], four batch kinds; 8 or 16 warps slower still); from MXFP8, 32 on 1 made the ads batch's
 # K/V rebasing slower (1.19 ms against 0.90 before this change), so MXFP8 keeps 128 on 4.
+# The two passes timed apart (bf16 [262144, 16, 128], 11:33 UTC): the exponent pass 310-399 us with
+# 64 channels on 4 warps against 442-449 with 32 on 1, the rebase pass 693-708 us with 32 on 1 against
+# 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch.
 FEATURE_CONFIG = dict(num_warps=4)
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
+EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=4), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 
 
 @triton.jit
@@ -265,6 +269,11 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     return data, factor
 
 
+def _fitted(config: dict, dim: int) -> dict:
+    """A sequence-axis launch ``config`` whose channel chunk divides ``dim`` (else one chunk of all)."""
+    return config if dim % config["BLOCK_D"] == 0 else dict(config, BLOCK_D=dim)
+
+
 def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
@@ -275,14 +284,12 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
     common = dict(HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=mx is None,
                   FLOOR=rounding == "floor")
     if work.shape[0]:
-        config = SEQUENCE_CONFIGS["values" if mx is None else "mxfp8"]
-        if dim % config["BLOCK_D"]:
-            config = dict(config, BLOCK_D=dim)
-        grid = (work.shape[0], heads, dim // config["BLOCK_D"])
-        _sequence_exponent_kernel[grid](
-            values, scales, offsets, work, exponent, batch, per_head, col_tiles, **common, **config
+        kind = "values" if mx is None else "mxfp8"
+        exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
+        _sequence_exponent_kernel[(work.shape[0], heads, dim // exponent_config["BLOCK_D"])](
+            values, scales, offsets, work, exponent, batch, per_head, col_tiles, **common, **exponent_config
         )
-        _rebase_sequence_kernel[grid](
+        _rebase_sequence_kernel[(work.shape[0], heads, dim // config["BLOCK_D"])](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
             ORDER=order, INTERPRET=fp8.INTERPRETED, **common, **config,
         )

@@ -13,8 +13,9 @@ copy speed can reach ~3/5 at most). Median of ``triton.testing.do_bench``.
                                     [--sequence-configs 128:4 64:4 32:4]
 
 ``--feature-warps`` and ``--sequence-configs`` (``channels:warps``) time other launch choices of
-the same kernels (``rebase.FEATURE_CONFIG``; ``rebase.SEQUENCE_CONFIGS``, the entry of the input's
-kind), checked bit for bit against the default's output. Prints one table; seconds on an H200.
+the same kernels (``rebase.FEATURE_CONFIG``; ``rebase.SEQUENCE_CONFIGS``, the rebase pass's entry for
+the input's kind; the exponent pass keeps ``rebase.EXPONENT_CONFIGS``), checked bit for bit against the
+default's output. Prints one table; seconds on an H200.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def test_rebase_sequence_matches_a_torch_oracle(poisoned, monkeypatch, rounding,
     """:func:`check_rebase_sequence` on the edge lengths, also with programs over chunks of the channels."""
     if channels_per_program:
         chunked = dict(BLOCK_D=channels_per_program, num_warps=2)
-        monkeypatch.setattr(rebase, "SEQUENCE_CONFIGS", {"values": chunked, "mxfp8": chunked})
+        for passes in ("SEQUENCE_CONFIGS", "EXPONENT_CONFIGS"):
+            monkeypatch.setattr(rebase, passes, {"values": chunked, "mxfp8": chunked})
     check_rebase_sequence([0, 1, 31, 32, 33, 127, 128, 129, 300], 2, 64, rounding)
 
 
