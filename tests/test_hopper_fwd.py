@@ -110,20 +110,20 @@ def check_rebase_sequence(lengths, heads, dim, rounding):
 
     byte = element_scale_bytes(mx)  # [total, H, D]
     seq = sequence_ids(offsets, v.shape[0])
-    expected_exponent = torch.zeros(heads, len(lengths), dim, dtype=torch.int64)
+    expected_exponent = torch.zeros(heads, len(lengths), dim, dtype=torch.int64, device=v.device)
     for b in range(len(lengths)):
         if lengths[b]:
             expected_exponent[:, b] = byte[offsets[b]:offsets[b + 1]].amax(dim=0)
     assert exponent.dtype == torch.int32 and torch.equal(exponent.long(), expected_exponent)
 
     shift = torch.exp2((byte - expected_exponent[:, seq].permute(1, 0, 2)).double())  # <= 1, exact
-    expected = torch.zeros(transposed.shape)
+    expected = torch.zeros(transposed.shape, device=v.device)
     rows = padded_rows_of_tokens(offsets, seq)
     expected[:, :, rows] = (mx.data.double() * shift).float().to(torch.float8_e4m3fn).float().permute(1, 2, 0)
     # The contract covers each sequence's whole 128-column tiles (a KV tile may overrun the sequence).
     tiles = [range(padded_seq_start(int(offsets[b]), b), padded_seq_start(int(offsets[b]), b) + -(-n // 128) * 128)
              for b, n in enumerate(lengths)]
-    columns = torch.tensor([c for span in tiles for c in span], dtype=torch.int64)
+    columns = torch.tensor([c for span in tiles for c in span], dtype=torch.int64, device=v.device)
     assert torch.equal(transposed.float()[:, :, columns], expected[:, :, columns])
 
     hp_transposed, hp_exponent = rebase.quantize_rebase_sequence(v, offsets, rounding=rounding)
