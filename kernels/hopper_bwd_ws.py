@@ -129,9 +129,7 @@ def _as_query_operand(x, operand_layout: gl.constexpr):
     """An e4m3 ``[keys, BLOCK_M]`` tile in S^T's accumulator layout as the A operand of a wgmma
     reducing over queries, with no data movement: the query bits are reordered as
     ``layout.pv_key_slot`` orders the tokens of Q^T and dO^T."""
-    x = x.reshape([x.shape[0], 2, 2, 2, 2, 2, 2])
-    x = x.permute(QUERY_DIMS.value).reshape([x.shape[0], BLOCK_M])
-    return gl.convert_layout(x, operand_layout, assert_trivial=True)
+    return gl.convert_layout(layout.gluon_columns_in_key_order(x, QUERY_DIMS), operand_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -139,8 +137,7 @@ def _as_published_ds(ds8):
     """dS^T ``[keys, BLOCK_M]`` (e4m3, S^T's accumulator layout) as dS ``[BLOCK_M, keys]`` with its
     keys in ``layout.ds_key_slot`` order, with no data movement: each thread's keys r and r + 8 of
     every 16 become adjacent bytes of a query's row (the K^T copy holds its keys in that order)."""
-    ds = ds8.permute((1, 0)).reshape([BLOCK_M, 2, 2, 2, 2, 2, 2])
-    return ds.permute(KEY_DIMS.value).reshape([BLOCK_M, ds8.shape[0]])
+    return layout.gluon_columns_in_key_order(ds8.permute((1, 0)), KEY_DIMS)
 
 
 @builtin

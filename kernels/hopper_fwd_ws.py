@@ -100,8 +100,7 @@ def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0
 def _as_pv_operand(p, p_layout: gl.constexpr):
     """P (fp32, S's accumulator layout) as the fp8 A operand of P·V, with no data movement: the
     column bits are reordered as ``layout.pv_key_slot`` orders the keys of V^T."""
-    keys = p.to(gl.float8e4nv).reshape([p.shape[0], 2, 2, 2, 2, 2, 2, 2])
-    keys = keys.permute(layout.PV_KEY_DIMS.value).reshape([p.shape[0], p.shape[1]])
+    keys = layout.gluon_columns_in_key_order(p.to(gl.float8e4nv), layout.PV_KEY_DIMS)
     return gl.convert_layout(keys, p_layout, assert_trivial=True)
 
 

@@ -8,6 +8,8 @@ import math
 
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from jagged_attn import mx_format, offsets, scale_layout
 
@@ -54,14 +56,30 @@ DS_KEY_DIMS = tl.constexpr(tuple(key_order_dims(ds_key_slot)))
 NATURAL_ORDER, PV_ORDER, DS_ORDER = (tl.constexpr(order) for order in range(3))
 
 
+@gluon.constexpr_function
+def _column_bits_shape(rows, columns):
+    """``[rows, 2, ..., 2]``: a ``[rows, columns]`` tile (columns a power of two) with each column bit
+    as a dimension of its own, the highest bit first (what ``key_order_dims`` orders)."""
+    return [rows] + [2] * (columns.bit_length() - 1)
+
+
 @triton.jit
 def columns_in_key_order(x, KEY_DIMS: tl.constexpr):
-    """A ``[rows, 128]`` tile (one whole key tile) with column ``c`` moved to column ``key_slot(c)``
-    of the order whose ``key_order_dims`` are KEY_DIMS, in registers: how the producers store V^T,
-    Q^T, dO^T (``pv_key_slot``) and K^T (``ds_key_slot``) for the Gluon kernels."""
-    rows: tl.constexpr = x.shape[0]
-    split = tl.reshape(x, [rows, 2, 2, 2, 2, 2, 2, 2])  # PV_KEY_BITS column bits
-    return tl.reshape(tl.permute(split, KEY_DIMS.value), [rows, 128])
+    """A ``[rows, 2^bits]`` tile with column ``c`` moved to column ``key_slot(c)`` of the order whose
+    ``key_order_dims`` are KEY_DIMS, in registers: how the producers store V^T, Q^T, dO^T
+    (``pv_key_slot``) and K^T (``ds_key_slot``) for the Gluon kernels."""
+    split = tl.reshape(x, _column_bits_shape(x.shape[0], x.shape[1]))
+    return tl.reshape(tl.permute(split, KEY_DIMS.value), [x.shape[0], x.shape[1]])
+
+
+@gluon.jit
+def gluon_columns_in_key_order(x, KEY_DIMS: gl.constexpr):
+    """:func:`columns_in_key_order` of a Gluon register tensor. On a wgmma accumulator it is a pure
+    relabeling of registers, which is what the Gluon kernels build on: in ``pv_key_slot`` order an
+    accumulator's registers are an A operand as they lie, in ``ds_key_slot`` order a transposed
+    accumulator's key pairs are adjacent bytes."""
+    split = x.reshape(_column_bits_shape(x.shape[0], x.shape[1]))
+    return split.permute(KEY_DIMS.value).reshape([x.shape[0], x.shape[1]])
 
 
 @triton.jit
