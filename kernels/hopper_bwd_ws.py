@@ -172,8 +172,7 @@ def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_fre
     scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
     PIECES: gl.constexpr = D // DQ_PIECE
-    piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, DQ_PIECE, 32])
+    piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(DQ_PIECE)
     rows: gl.constexpr = gl.SliceLayout(1, piece_layout)
     zero = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, layout=piece_layout)
     head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
@@ -241,9 +240,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
     tile's dS for the dQ warpgroup."""
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+    s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M)
+    o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -271,9 +269,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     partial_keys = n_start + BLOCK_N > len_k
     # S^T and dP^T from bf16 copies of Q, K, V and dO's e4m3 values (exact: fp32 accumulation) or
     # from e4m3 itself.
-    S_K: gl.constexpr = 16 if k_desc.dtype == gl.bfloat16 else 32
-    score_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, S_K])
+    score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, k_desc.dtype.primitive_bitwidth)
     score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)

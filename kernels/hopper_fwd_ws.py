@@ -113,10 +113,8 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's intra-warpgroup pipelining and
     ping-pong measured slower here (the consumers are issue bound, docs/PERF.md v6)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
-    S_K: gl.constexpr = 16 if EXACT else 32
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, S_K])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+    s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_N, 16 if EXACT else 8)  # bf16 or e4m3 operands
+    o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)

@@ -72,6 +72,14 @@ def columns_in_key_order(x, KEY_DIMS: tl.constexpr):
     return tl.reshape(tl.permute(split, KEY_DIMS.value), [x.shape[0], x.shape[1]])
 
 
+@gluon.constexpr_function
+def wgmma_accumulator_layout(columns, operand_bits=8):
+    """Register layout of a warpgroup's m64 x ``columns`` wgmma accumulator (four warps over its 64
+    rows) whose operands are ``operand_bits`` wide: one instruction reduces 32 bytes of them."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, columns, 256 // operand_bits])
+
+
 @gluon.jit
 def gluon_columns_in_key_order(x, KEY_DIMS: gl.constexpr):
     """:func:`columns_in_key_order` of a Gluon register tensor. On a wgmma accumulator it is a pure
