@@ -1,7 +1,9 @@
 """Triton versions of the layout and rounding rules, built from their one owner module each.
 
 Kernels import these instead of re-deriving offsets: ``triton.jit`` wraps the very functions the
-torch front end calls (they are plain integer arithmetic), so there is one source of truth.
+torch front end calls (they are plain integer arithmetic), so there is one source of truth. The
+token orders of the sequence-axis copies live here too, with their register relabeling for both
+Triton and Gluon tensors, and the Gluon kernels' wgmma accumulator layout.
 """
 
 import math
