@@ -522,9 +522,10 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
-    ``rows``: ``(buffer, scale_row, lse2_row, delta_row)``: also write the token scales (and lse2,
-    Delta) into those vectors of the fp32 ``[vectors, H, padded]`` buffer, each sequence from its
-    ``padded_seq_start``, zeros past its end (the Gluon kernel's per-query vectors).
+    ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
+    each sequence from its ``padded_seq_start``, zeros past its end: also write the token scales
+    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``, with ``LSE2``
+    and ``DELTA``).
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -550,14 +551,21 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     if sequence:
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    rows_buffer, scale_row, lse2_row, delta_row = rows if rows is not None else (unused, -1, -1, -1)
+    # The per-query vectors this producer writes into ``rows`` (-1: none): dO's token scales with lse2
+    # and Delta, or Q's token scales.
+    scale_row = lse2_row = delta_row = -1
+    if rows is not None and with_delta:
+        scale_row, lse2_row, delta_row = (v.value for v in (hopper_bwd_ws.DO_FACTOR, hopper_bwd_ws.LSE2,
+                                                            hopper_bwd_ws.DELTA))
+    elif rows is not None:
+        scale_row = hopper_bwd_ws.Q_FACTOR.value
     _quantize_kernel[grid](
         x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
         amax if sequence else unused, result.sequence if sequence else unused,
         result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused,
-        delta if with_delta else unused, lse2 if with_delta else unused, rows_buffer,
+        delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
         total, padded, batch, GROUP=group,
         FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, SCALE_ROW=scale_row,
         LSE2_ROW=lse2_row, DELTA_ROW=delta_row, INTERPRET=fp8.INTERPRETED, num_warps=QUANTIZE_WARPS, **shape,
@@ -634,22 +642,18 @@ class _Prepared:
         # as bf16 holding their e4m3 values, for the Gluon kernel's exact S and dP.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
         self.rows = None
-        q_rows = do_rows = None
         if row_vectors:
             self.rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
                                     device=q.device)
-            ws = hopper_bwd_ws
-            q_rows = (self.rows, ws.Q_FACTOR.value, -1, -1)
-            do_rows = (self.rows, ws.DO_FACTOR.value, ws.LSE2.value, ws.DELTA.value)
         self.q, _, _ = _quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=group,
-                                 order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q, rows=q_rows)
+                                 order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q, rows=self.rows)
         self.k, _, _ = _quantize(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                  order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
         self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
                                  tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
                                                    lse=lse, order=query_order, feature_dtype=score_dtype,
-                                                   tiles=self.tiles_q, rows=do_rows)
+                                                   tiles=self.tiles_q, rows=self.rows)
 
     @cached_property
     def max_len_q(self) -> int:

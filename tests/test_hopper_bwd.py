@@ -327,9 +327,8 @@ def test_producers_write_the_padded_row_vectors():
     padded_q = hopper_bwd.padded_total(q.shape[0], len(lengths))
     rows = torch.full((hopper_bwd_ws.ROW_VECTORS.value, heads, padded_q), math.nan)
     ws = hopper_bwd_ws
-    mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=(rows, ws.Q_FACTOR.value, -1, -1))
-    mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse,
-                                            rows=(rows, ws.DO_FACTOR.value, ws.LSE2.value, ws.DELTA.value))
+    mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=rows)
+    mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse, rows=rows)
     vectors = {ws.Q_FACTOR.value: mq.feature_scale, ws.LSE2.value: lse2, ws.DO_FACTOR.value: mdo.feature_scale,
                ws.DELTA.value: delta}
     written = torch.zeros(padded_q, dtype=torch.bool)
@@ -634,11 +633,9 @@ def test_gpu_preprocessing_bandwidth():
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
-    ws = hopper_bwd_ws
-    rows = torch.empty(ws.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense: no padding
+    rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense
     produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse,
-                            order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles,
-                            rows=(rows, ws.DO_FACTOR.value, ws.LSE2.value, ws.DELTA.value))
+                            order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles, rows=rows)
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
     # sequence copy written; per token and head fp32: LSE read, scale, Delta, lse2 written twice.
     elements = dout.numel()
