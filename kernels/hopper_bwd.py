@@ -37,7 +37,7 @@ dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bu
 and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). On GPUs
 ``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of :func:`_dkdv_kernel` (producers
 storing the sequence-axis copies in the token orders it reads; its dQ sums scaled by
-:func:`_finish_dq_kernel`), by default on bf16 copies of Q, K, V and dO's e4m3 values so that S
+:func:`_finish_dq_kernel`), by default on bf16 copies of Q, K, V and dO's MX values so that S
 and dP are exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which on
 heavy-tailed or outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1
 (docs/PERF.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3 (v7, v8);
@@ -184,7 +184,7 @@ def _quantize_kernel(
     fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key). SCALE_ROW (and with DELTA, LSE2_ROW and DELTA_ROW) >= 0: the token scales (lse2,
-    Delta) also go to that vector of ``rows_ptr``, the whole slot, zeros past the sequence's end.
+    Delta) also go to that vector of ``rows_ptr``, the whole slot, past the sequence's end zeros (lse2: +inf).
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
@@ -200,12 +200,14 @@ def _quantize_kernel(
         lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if SCALE_ROW >= 0:
-            tl.store(padded_rows + LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2, 0.0))
+        if SCALE_ROW >= 0:  # lse2 = +inf past the end, so that the Gluon kernel's p is 0 there
+            tl.store(padded_rows + LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2, float("inf")))
             tl.store(padded_rows + DELTA_ROW * HEADS * padded, delta)
     if FEATURE:
         byte = _token_scale_byte(x)
         data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
+        if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
+            data = data.to(tl.float32) * scale_value(byte)[:, None]
         tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
         tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
         if SCALE_ROW >= 0:
@@ -258,6 +260,15 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _in_values(product, operand, token_factors):
+    """S or dP from two feature copies (``operand``: one of them) as values: e4m3 copies are in
+    units of their token scales (times ``token_factors``), bf16 copies hold the MX values themselves."""
+    if operand.dtype == tl.bfloat16:
+        return product
+    return product * token_factors
+
+
+@triton.jit
 def _dkdv_step(
     dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
     q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_desc, dq_row, dq_col,
@@ -284,7 +295,8 @@ def _dkdv_step(
     q_scale = tl.load(q_scale_ptr + m_idx, mask=m_in, other=0.0)
     lse2 = tl.load(lse2_ptr + m_idx, mask=m_in, other=float("inf"))
     token_scales = k_scale[:, None] * q_scale[None, :]
-    p_t = tl.exp2(tl.dot(k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP) * token_scales * qk_log2 - lse2[None, :])
+    s_t = _in_values(tl.dot(k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
+    p_t = tl.exp2(s_t * qk_log2 - lse2[None, :])
     if MASKED:
         p_t = tl.where(_visible(n_idx[:, None], m_idx[None, :], len_k, causal_shift, CAUSAL), p_t, 0.0)
 
@@ -296,7 +308,8 @@ def _dkdv_step(
     do = tl.load(do_ptr + natural, mask=m_in[:, None], other=0.0)
     do_scale = tl.load(do_scale_ptr + m_idx, mask=m_in, other=0.0)
     delta = tl.load(delta_ptr + m_idx, mask=m_in, other=0.0)
-    dp_t = tl.dot(v, tl.trans(do), max_num_imprecise_acc=SCORE_ACC_STEP) * (v_scale[:, None] * do_scale[None, :])
+    dp_t = _in_values(tl.dot(v, tl.trans(do), max_num_imprecise_acc=SCORE_ACC_STEP), do,
+                      v_scale[:, None] * do_scale[None, :])
     ds8_t, ds_byte, rescale = _quantize_running(scaled_p_t * (dp_t - delta[None, :]), ds_byte, INTERPRET)
 
     q_t = tl.load(qt_ptr + transposed)
@@ -410,12 +423,14 @@ def _dq_step(
         total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N,
     )
     token_scales = q_scale[:, None] * k_scale[None, :]
-    p = tl.exp2(tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP) * token_scales * qk_log2 - lse2[:, None])
+    p = tl.exp2(_in_values(tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales) * qk_log2
+                - lse2[:, None])
     if MASKED:
         n_idx = n_start + tl.arange(0, BLOCK_N)
         p = tl.where(_visible(n_idx[None, :], m_idx[:, None], len_k, causal_shift, CAUSAL), p, 0.0)
     scaled_p = p * token_scales  # dS is formed with the token scales folded in
-    dp = tl.dot(do, tl.trans(v), max_num_imprecise_acc=SCORE_ACC_STEP) * (do_scale[:, None] * v_scale[None, :])
+    dp = _in_values(tl.dot(do, tl.trans(v), max_num_imprecise_acc=SCORE_ACC_STEP), do,
+                    do_scale[:, None] * v_scale[None, :])
     ds8, ds_byte, rescale = _quantize_running(scaled_p * (dp - delta[:, None]), ds_byte, INTERPRET)
     return tl.dot(ds8, tl.trans(kt), dq_acc * rescale), ds_byte
 
@@ -517,13 +532,14 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
     dividing each token by its head_dim scale with ``normalize_tokens``); ``order`` (``layout``'s
     ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
-    ``feature_dtype`` bf16 stores the e4m3 values of the feature copy as bf16 (exact: a bf16 MMA on
-    them accumulates in plain fp32).
+    ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
+    (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
+    token scales are written as well, for what the kernels fold into dS).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
-    each sequence from its ``padded_seq_start``, zeros past its end: also write the token scales
+    each sequence from its ``padded_seq_start``, zeros past its end (lse2: +inf): also write the token scales
     there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``, with ``LSE2``
     and ``DELTA``).
     """
@@ -639,7 +655,7 @@ class _Prepared:
         lse = lse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
         # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
-        # as bf16 holding their e4m3 values, for the Gluon kernel's exact S and dP.
+        # as bf16 holding their MX values, for the Gluon kernel's exact S and dP.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
         self.rows = None
         if row_vectors:
@@ -766,7 +782,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     (dq, dk, dv) in the inputs' dtypes.
 
     On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
-    S and dP come from bf16 MMAs on the e4m3 values of Q, K, V and dO (exact), with "fp8" from FP8
+    S and dP come from bf16 MMAs on the MX values of Q, K, V and dO (exact), with "fp8" from FP8
     wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128): 24.0 / 21.4 ms, cuDNN
     BF16 20.2 ms; gradients within 2.8e-3 of the reference backend on all four input kinds of the
     tests with "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md,

@@ -24,8 +24,9 @@ each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, 
 small steps against a large running sum); dV chains (measured accurate enough, and registers are
 short). dQ's fp32 partials are added in L2, in units that ``hopper_bwd``'s dQ pass scales.
 
-S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's e4m3 values as bf16
-(``exact_scores``, the default: fp32 accumulation, so S and dP are exact) and from FP8 wgmma
+S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
+(``exact_scores``, the default: fp32 accumulation, so S and dP are exact, with no token scales
+left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
 outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; PERF.md v6-v8).
 Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
@@ -75,6 +76,10 @@ DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes,
 # meet the bound, which moves consumer 1's product by at most 2^24 * 2^-100 * scale0: nothing at
 # the scale of consumer 0's product, to which it is added.
 MAX_SCALE_RATIO = gl.constexpr(2.0**100)
+# The consumers form dS' times the scale factor of the running dS scale before its tile maximum is
+# known, but never times more than 2^32 (this byte): while the running scale is still far below the
+# tile's values (it starts at the smallest normal), 2^126 would overflow fp32.
+DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
 HEAD_DIMS = (64, 128)
 
 
@@ -259,16 +264,19 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
     key_scales = kv_head.to(gl.int64) * total_k + k_start + keys
     k_factor = gl.load(k_scale + key_scales, mask=keys < len_k, other=0.0)
-    # dS is formed times both token scales (hopper_bwd): dS' = P (dP k v_f do_f - k q Delta), the
-    # key factors per row here, the query factors per column in the loop.
-    k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
-    k_dp_factor = k_factor * gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
+    # S^T and dP^T come from bf16 copies holding the MX values (exact: fp32 accumulation) or from
+    # e4m3 copies in units of the token scales, applied here.
+    EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
+    if not EXACT:
+        k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
+        v_factor = gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
+    # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
+    # token scales (hopper_bwd) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
+    k_ds_factor = k_factor * (1.0 / layout.P_SCALE)
     causal_shift = len_k - len_q
     # Steps whose query tile some key of the program does not see (causal), or all of them
     # when the key tile runs past the sequence, need the mask.
     partial_keys = n_start + BLOCK_N > len_k
-    # S^T and dP^T from bf16 copies of Q, K, V and dO's e4m3 values (exact: fp32 accumulation) or
-    # from e4m3 itself.
     score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, k_desc.dtype.primitive_bitwidth)
     score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
@@ -281,7 +289,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         phase = (i // STAGES) & 1
         head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
         queries = m0 + gl.arange(0, BLOCK_M, layout=s_cols)
-        query_in = queries < len_q  # past the sequence the padded vectors hold zeros (lse2 0, not +inf)
         rows = stage * ROW_VECTORS
 
         mbarrier.wait(q_ready.index(stage), phase)
@@ -294,9 +301,13 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         s = gl.convert_layout(s, s_layout, assert_trivial=True)
         dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
-        q_factor = gl.where(query_in, row_smem.index(rows + Q_FACTOR).load(s_cols), 0.0)
-        row_lse2 = gl.where(query_in, row_smem.index(rows + LSE2).load(s_cols), float("inf"))
-        p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - row_lse2[None, :])
+        # Past the sequence the padded vectors hold q = 0 and lse2 = +inf: p = 0 there, no mask.
+        q_factor = row_smem.index(rows + Q_FACTOR).load(s_cols)
+        lse2 = row_smem.index(rows + LSE2).load(s_cols) - layout.P_STATIC_EXP
+        if EXACT:
+            p = gl.exp2(s * (softmax_scale * layout.LOG2E) - lse2[None, :])
+        else:
+            p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - lse2[None, :])
         masked = partial_keys
         if CAUSAL:
             masked = masked | (m0 < n_start + BLOCK_N - 1 - causal_shift)
@@ -305,12 +316,23 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
             if CAUSAL:
                 visible = visible & (keys[:, None] <= queries[None, :] + causal_shift)
             p = gl.where(visible, p, 0.0)
-        q_dp_factor = q_factor * row_smem.index(rows + DO_FACTOR).load(s_cols)
         q_delta = q_factor * row_smem.index(rows + DELTA).load(s_cols)
-        ds = p * (dp * k_dp_factor[:, None] * q_dp_factor[None, :] - k_factor[:, None] * q_delta[None, :])
-        p8 = _as_query_operand((p * layout.P_SCALE).to(gl.float8e4nv), a_layout)
-        ds_byte, rescale = layout.grown_scale_byte(gl.max(gl.max(gl.abs(ds), axis=1), axis=0), ds_byte)
-        ds8 = (ds * layout.scale_factor(ds_byte)).to(gl.float8e4nv)
+        if EXACT:
+            q_dp = dp * q_factor[None, :] - q_delta[None, :]
+        else:
+            q_do_factor = q_factor * row_smem.index(rows + DO_FACTOR).load(s_cols)
+            q_dp = (dp * v_factor[:, None]) * q_do_factor[None, :] - q_delta[None, :]
+        # dS' on the running scale so far (capped, see DS_PRESCALE_BYTE), moved onto the tile's new
+        # scale only when it grew: one multiply per element fewer in the common case.
+        prescale_byte = gl.maximum(ds_byte, DS_PRESCALE_BYTE)
+        ds = p * q_dp * (k_ds_factor * layout.scale_factor(prescale_byte))[:, None]
+        amax = gl.max(gl.max(gl.abs(ds), axis=1), axis=0) * layout.scale_value(prescale_byte)
+        ds_byte, rescale = layout.grown_scale_byte(amax, ds_byte)
+        onto_new_scale = layout.byte_ratio(prescale_byte, ds_byte)
+        if onto_new_scale != 1.0:
+            ds = ds * onto_new_scale
+        ds8 = ds.to(gl.float8e4nv)
+        p8 = _as_query_operand(p.to(gl.float8e4nv), a_layout)
         # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
         # the dQ warpgroup starts earlier.
         if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
@@ -433,7 +455,7 @@ def _attention_backward_kernel(
 def _padded_row_vectors(prep) -> TensorDescriptor:
     """The per-query vectors (Q token scales, lse2, dO token scales, Delta) as the producers wrote
     them (``_Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
-    sequence ``b`` at ``padded_seq_start``, zeros past its end, read ``BLOCK_M`` at a time (TMA needs
+    sequence ``b`` at ``padded_seq_start``, zeros past its end (lse2: +inf), read ``BLOCK_M`` at a time (TMA needs
     a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
     if prep.rows is None:
         raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: _Prepared(row_vectors=True)")

@@ -293,10 +293,15 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     assert torch.allclose(dq, expected, rtol=1e-6, atol=0)
 
 
+# What the padded per-query vectors hold past a sequence's end: lse2 +inf (p = 0 without a mask), else 0.
+PAST_END = {v.value: math.inf if v is hopper_bwd_ws.LSE2 else 0.0 for v in
+            (hopper_bwd_ws.Q_FACTOR, hopper_bwd_ws.LSE2, hopper_bwd_ws.DO_FACTOR, hopper_bwd_ws.DELTA)}
+
+
 def test_gluon_kernel_arguments_build_on_the_host():
     """What the Gluon launcher builds on the host (CPU tensors work): TMA descriptors with plain int
     blocks (as in test_hopper_fwd's twin), and the per-query vectors at 16-byte aligned padded rows,
-    zeros in between (an empty sequence's slot is never read)."""
+    ``PAST_END`` in between (an empty sequence's slot is never read)."""
     lengths_q, heads_q, heads_kv, dim = [0, 3, 130, 1], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
@@ -314,13 +319,14 @@ def test_gluon_kernel_arguments_build_on_the_host():
         for v_index, vector in enumerate(vectors):
             assert torch.equal(padded[v_index, :, slot:slot + length], vector[:, start:start + length])
             if length:
-                assert not padded[v_index, :, slot + length:slot + 128].any()
+                past_end = padded[v_index, :, slot + length:slot + 128]
+                assert torch.equal(past_end, torch.full_like(past_end, PAST_END[v_index]))
 
 
 def test_producers_write_the_padded_row_vectors():
     """With ``rows`` the Q and dO producers also write the token scales, lse2 and Delta into the
     Gluon kernel's padded per-query vectors: each non-empty sequence from its ``padded_seq_start``,
-    zeros to the end of its last slot (the kernel reads 64-row windows there), nothing else."""
+    ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there), nothing else."""
     lengths, heads = [0, 3, 130, 1, 300], 4
     q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, heads, 2, 64)
     out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
@@ -338,7 +344,8 @@ def test_producers_write_the_padded_row_vectors():
         written[slot:end] = True
         for index, vector in vectors.items():
             assert torch.equal(rows[index, :, slot:slot + length], vector[:, start:start + length]), (b, index)
-            assert torch.equal(rows[index, :, slot + length:end], torch.zeros(heads, end - slot - length)), (b, index)
+            assert torch.equal(rows[index, :, slot + length:end],
+                               torch.full((heads, end - slot - length), PAST_END[index])), (b, index)
     assert rows[:, :, ~written].isnan().all()
 
 
@@ -357,14 +364,19 @@ def test_kernel_choice():
         hopper_bwd._default_config(cuda, scores="fp16")
 
 
-def test_exact_score_copies_hold_the_e4m3_values():
-    """``feature_dtype=bf16`` (Q and K for the Gluon kernel's exact S) stores the same values as the
-    e4m3 feature copy, with the same token scales."""
+def mx_values(quantized):
+    """The values a feature copy stands for: its e4m3 data times each token's scale."""
+    return quantized.feature.float() * quantized.feature_scale.T[..., None]
+
+
+def test_exact_score_copies_hold_the_mx_values():
+    """``feature_dtype=bf16`` (Q and K for the Gluon kernel's exact S) stores the MX values of the
+    e4m3 feature copy (its e4m3 values times the token scales, exactly), with the same token scales."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 33, 70], [1, 1, 1, 1], 4, 2, 64, kind="heavy")
     e4m3, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=False)
     bf16, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=False, feature_dtype=torch.bfloat16)
     assert bf16.feature.dtype == torch.bfloat16
-    assert torch.equal(bf16.feature.float(), e4m3.feature.float())
+    assert torch.equal(bf16.feature.float(), mx_values(e4m3))
     assert torch.equal(bf16.feature_scale, e4m3.feature_scale)
 
 
@@ -384,7 +396,7 @@ def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq
 
 def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     """With ``exact_scores`` (the GPU default) the producers give the feature copies of Q, K (S's
-    operands) and of V, dO (dP's) as bf16 holding exactly the e4m3 values of the FP8 preparation;
+    operands) and of V, dO (dP's) as bf16 holding exactly the MX values of the FP8 preparation;
     every other output (sequence copies, scales, Delta, lse2) is the same."""
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
@@ -395,7 +407,7 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     for name in ("q", "k", "v", "do"):
         a, b = getattr(fp8, name), getattr(exact, name)
         assert b.feature.dtype == torch.bfloat16, name
-        assert torch.equal(b.feature.float(), a.feature.float()), name
+        assert torch.equal(b.feature.float(), mx_values(a)), name
         assert torch.equal(b.feature_scale, a.feature_scale), name
         if name != "v":
             assert torch.equal(b.sequence.view(torch.uint8), a.sequence.view(torch.uint8)), name
