@@ -62,6 +62,7 @@ from .layout import (
     NATURAL_ORDER,
     PV_ORDER,
     P_SCALE,
+    P_STATIC_EXP,
     SMALLEST_NORMAL_BYTE,
     grid_split,
     grown_scale_byte,
@@ -172,7 +173,8 @@ def _quantize_kernel(
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, LSE2_ROW: tl.constexpr, DELTA_ROW: tl.constexpr,
+    ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr, Q_FACTOR_ROW: tl.constexpr,
+    Q_DELTA_ROW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
@@ -183,8 +185,10 @@ def _quantize_kernel(
     them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
     fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key). SCALE_ROW (and with DELTA, LSE2_ROW and DELTA_ROW) >= 0: the token scales (lse2,
-    Delta) also go to that vector of ``rows_ptr``, the whole slot, past the sequence's end zeros (lse2: +inf).
+    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (the Gluon
+    kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end; with
+    DELTA also ``lse2 - P_STATIC_EXP`` (P_LSE2_ROW, +inf past the end) and Delta times the query's
+    token scale, read from vector Q_FACTOR_ROW (Q_DELTA_ROW: Q's producer must have run).
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
@@ -200,9 +204,10 @@ def _quantize_kernel(
         lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if SCALE_ROW >= 0:  # lse2 = +inf past the end, so that the Gluon kernel's p is 0 there
-            tl.store(padded_rows + LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2, float("inf")))
-            tl.store(padded_rows + DELTA_ROW * HEADS * padded, delta)
+        if SCALE_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
+            tl.store(padded_rows + P_LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
+            q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
+            tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
     if FEATURE:
         byte = _token_scale_byte(x)
         data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
@@ -540,8 +545,8 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
     each sequence from its ``padded_seq_start``, zeros past its end (lse2: +inf): also write the token scales
-    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``, with ``LSE2``
-    and ``DELTA``).
+    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``, with ``P_LSE2``
+    and ``Q_DELTA``, which takes Q's token scales from ``rows``: quantize Q first).
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -567,12 +572,13 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     if sequence:
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    # The per-query vectors this producer writes into ``rows`` (-1: none): dO's token scales with lse2
-    # and Delta, or Q's token scales.
-    scale_row = lse2_row = delta_row = -1
+    # The per-query vectors this producer writes into ``rows`` (-1: none): dO's token scales with P_LSE2
+    # and Q_DELTA (reading Q's token scales), or Q's token scales.
+    scale_row = p_lse2_row = q_factor_row = q_delta_row = -1
     if rows is not None and with_delta:
-        scale_row, lse2_row, delta_row = (v.value for v in (hopper_bwd_ws.DO_FACTOR, hopper_bwd_ws.LSE2,
-                                                            hopper_bwd_ws.DELTA))
+        ws = hopper_bwd_ws
+        scale_row, p_lse2_row, q_factor_row, q_delta_row = (v.value for v in (ws.DO_FACTOR, ws.P_LSE2, ws.Q_FACTOR,
+                                                                              ws.Q_DELTA))
     elif rows is not None:
         scale_row = hopper_bwd_ws.Q_FACTOR.value
     _quantize_kernel[grid](
@@ -584,7 +590,8 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
         total, padded, batch, GROUP=group,
         FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, SCALE_ROW=scale_row,
-        LSE2_ROW=lse2_row, DELTA_ROW=delta_row, INTERPRET=fp8.INTERPRETED, num_warps=QUANTIZE_WARPS, **shape,
+        P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row, INTERPRET=fp8.INTERPRETED,
+        num_warps=QUANTIZE_WARPS, **shape,
     )
     return result, delta, lse2
 

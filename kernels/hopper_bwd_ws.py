@@ -67,8 +67,10 @@ BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per pr
 BLOCK_M = gl.constexpr(64)  # queries per stage
 QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.value.bit_length() - 1))
 KEY_DIMS = gl.constexpr(layout.key_order_dims(layout.ds_key_slot, KEYS_PER_CONSUMER.value.bit_length() - 1))
-# Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these).
-Q_FACTOR, LSE2, DO_FACTOR, DELTA = (gl.constexpr(i) for i in range(4))
+# Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these): Q's
+# token scale q; P_LSE2 = lse2 - log2(P_SCALE), so that exp2(logits - P_LSE2) is P * P_SCALE; dO's
+# token scale; Q_DELTA = q * Delta.
+Q_FACTOR, P_LSE2, DO_FACTOR, Q_DELTA = (gl.constexpr(i) for i in range(4))
 ROW_VECTORS = gl.constexpr(4)
 DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes, the widest swizzled TMA box
 # dQ chains consumer 0's product (|sum| < 64 * 448^2 < 2^24) times scale0 / scale1 into one fp32
@@ -117,7 +119,7 @@ def _load_step(i, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem
                do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
                HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """The operands of step i into stage i % STAGES once both consumers released it; with Q its
-    token scales and lse2, with dO its token scales and Delta (``rows_desc``: the flat
+    token scales and P_LSE2, with dO its token scales and Q_DELTA (``rows_desc``: the flat
     ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
     stage = i % STAGES
     mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -155,15 +157,16 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER: gl.constexpr,
-              scale_layout: gl.constexpr):
+def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER: gl.constexpr):
     """Publish this warpgroup's dS (e4m3, queries x keys, keys contiguous: FP8 wgmma reads only
     K-major operands) and its scale in buffer i % 2 for the dQ warpgroup's wgmmas."""
+    # The scale once per query (in S^T's column layout every thread would store 16 copies).
+    per_query: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
     mbarrier.wait(ds_free.index(buffer), ((i // 2) & 1) ^ 1)
     ds_smem.index(slot).store(_as_published_ds(ds8))
-    scale_smem.index(slot).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=scale_layout) + layout.scale_value(ds_byte))
+    scale_smem.index(slot).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=per_query) + layout.scale_value(ds_byte))
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
     mbarrier.arrive(ds_ready.index(buffer), count=1)
@@ -302,13 +305,13 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         s = gl.convert_layout(s, s_layout, assert_trivial=True)
         dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
-        # Past the sequence the padded vectors hold q = 0 and lse2 = +inf: p = 0 there, no mask.
+        # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
         q_factor = row_smem.index(rows + Q_FACTOR).load(s_cols)
-        lse2 = row_smem.index(rows + LSE2).load(s_cols) - layout.P_STATIC_EXP
+        p_lse2 = row_smem.index(rows + P_LSE2).load(s_cols)
         if EXACT:
-            p = gl.exp2(s * (softmax_scale * layout.LOG2E) - lse2[None, :])
+            p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
         else:
-            p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - lse2[None, :])
+            p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - p_lse2[None, :])
         masked = partial_keys
         if CAUSAL:
             masked = masked | (m0 < n_start + BLOCK_N - 1 - causal_shift)
@@ -317,7 +320,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
             if CAUSAL:
                 visible = visible & (keys[:, None] <= queries[None, :] + causal_shift)
             p = gl.where(visible, p, 0.0)
-        q_delta = q_factor * row_smem.index(rows + DELTA).load(s_cols)
+        q_delta = row_smem.index(rows + Q_DELTA).load(s_cols)
         if EXACT:
             q_dp = dp * q_factor[None, :] - q_delta[None, :]
         else:
@@ -337,7 +340,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
         # the dQ warpgroup starts earlier.
         if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
-            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER, s_cols)
+            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER)
 
         dot_view = dot_smem.index(stage).permute((1, 0))
         dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
@@ -454,10 +457,10 @@ def _attention_backward_kernel(
 
 
 def _padded_row_vectors(prep) -> TensorDescriptor:
-    """The per-query vectors (Q token scales, lse2, dO token scales, Delta) as the producers wrote
+    """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``DO_FACTOR``, ``Q_DELTA``) as the producers wrote
     them (``_Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
-    sequence ``b`` at ``padded_seq_start``, zeros past its end (lse2: +inf), read ``BLOCK_M`` at a time (TMA needs
-    a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
+    sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read ``BLOCK_M`` at a
+    time (TMA needs a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
     if prep.rows is None:
         raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: _Prepared(row_vectors=True)")
     flat = prep.rows.view(-1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws, layout
+from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.mxfp8 import quantize_mxfp8
 from jagged_attn.kernels.schedule import slot_tiles, tile_list
@@ -293,9 +294,17 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     assert torch.allclose(dq, expected, rtol=1e-6, atol=0)
 
 
-# What the padded per-query vectors hold past a sequence's end: lse2 +inf (p = 0 without a mask), else 0.
-PAST_END = {v.value: math.inf if v is hopper_bwd_ws.LSE2 else 0.0 for v in
-            (hopper_bwd_ws.Q_FACTOR, hopper_bwd_ws.LSE2, hopper_bwd_ws.DO_FACTOR, hopper_bwd_ws.DELTA)}
+def padded_vectors_of(q_scale, lse2, do_scale, delta):
+    """What the Gluon kernel's padded per-query vectors hold, from the producers' ``[H, total]``
+    vectors (index -> tensor): Q's token scale, lse2 - log2(P_SCALE), dO's token scale, q * Delta."""
+    ws = hopper_bwd_ws
+    return {ws.Q_FACTOR.value: q_scale, ws.P_LSE2.value: lse2 - mx_format.P_STATIC_EXP,
+            ws.DO_FACTOR.value: do_scale, ws.Q_DELTA.value: q_scale * delta}
+
+
+# What the padded per-query vectors hold past a sequence's end: P_LSE2 +inf (p = 0 without a mask), else 0.
+PAST_END = {v.value: math.inf if v is hopper_bwd_ws.P_LSE2 else 0.0 for v in
+            (hopper_bwd_ws.Q_FACTOR, hopper_bwd_ws.P_LSE2, hopper_bwd_ws.DO_FACTOR, hopper_bwd_ws.Q_DELTA)}
 
 
 def test_gluon_kernel_arguments_build_on_the_host():
@@ -313,10 +322,10 @@ def test_gluon_kernel_arguments_build_on_the_host():
                                                     [rows, dim], [dim, rows], [rows], [rows, 32]]
     assert list(descriptors[-1].shape) == [prep.total_q + rows, heads_q * dim]
     padded = descriptors[-2].base.view(4, heads_q, prep.padded_q)
-    vectors = (prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta)
+    vectors = padded_vectors_of(prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta)
     for b, length in enumerate(lengths_q):
         start, slot = int(offsets_q[b]), layout.padded_seq_start(int(offsets_q[b]), b)
-        for v_index, vector in enumerate(vectors):
+        for v_index, vector in vectors.items():
             assert torch.equal(padded[v_index, :, slot:slot + length], vector[:, start:start + length])
             if length:
                 past_end = padded[v_index, :, slot + length:slot + 128]
@@ -324,7 +333,7 @@ def test_gluon_kernel_arguments_build_on_the_host():
 
 
 def test_producers_write_the_padded_row_vectors():
-    """With ``rows`` the Q and dO producers also write the token scales, lse2 and Delta into the
+    """With ``rows`` the Q and dO producers also write the token scales, P_LSE2 and Q_DELTA into the
     Gluon kernel's padded per-query vectors: each non-empty sequence from its ``padded_seq_start``,
     ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there), nothing else."""
     lengths, heads = [0, 3, 130, 1, 300], 4
@@ -332,11 +341,9 @@ def test_producers_write_the_padded_row_vectors():
     out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
     padded_q = hopper_bwd.padded_total(q.shape[0], len(lengths))
     rows = torch.full((hopper_bwd_ws.ROW_VECTORS.value, heads, padded_q), math.nan)
-    ws = hopper_bwd_ws
     mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=rows)
     mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse, rows=rows)
-    vectors = {ws.Q_FACTOR.value: mq.feature_scale, ws.LSE2.value: lse2, ws.DO_FACTOR.value: mdo.feature_scale,
-               ws.DELTA.value: delta}
+    vectors = padded_vectors_of(mq.feature_scale, lse2, mdo.feature_scale, delta)
     written = torch.zeros(padded_q, dtype=torch.bool)
     for b, length in enumerate(lengths):
         start, slot = int(offsets[b]), layout.padded_seq_start(int(offsets[b]), b)
