@@ -35,12 +35,13 @@ scales on the sequence axis (applied in the epilogues), Q and K's sequence copie
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v8-v10): exact S and dP 2.1x the Triton kernel's speed (0.89-0.91x
-cuDNN's BF16 backward, dense d128; causal 0.88-0.89x), gradients within 2.8e-3 of the reference
+Measured on an H200 (docs/PERF.md, v8-v11): exact S and dP 2.1x the Triton kernel's speed (0.92-0.94x
+cuDNN's BF16 backward, dense d128; causal 0.89-0.90x), gradients within 5e-3 of the reference
 backend on every input kind of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of
-the reference's; FP8 S and dP (backend ``triton-fast``) 2.3x (0.99-1.00x cuDNN), 1.5e-2 to 2e-1
+the reference's; FP8 S and dP (backend ``triton-fast``) 2.2x (0.98-0.99x cuDNN), 1.5e-2 to 2e-1
 from the reference on heavy-tailed and outlier inputs. The consumers are at their register ceiling
-and sensitive to every instruction; the dQ warpgroup adds ~27% on top of them (PERF.md v7-v10).
+and sensitive to every instruction; the dQ path (publishing, wgmmas, staging, reduce-adds) adds
+~35% on top of them (PERF.md v7-v11).
 """
 from __future__ import annotations
 
