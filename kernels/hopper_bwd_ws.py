@@ -174,10 +174,10 @@ def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER:
 
 
 @gluon.jit
-def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
-             tiles_per_head, D: gl.constexpr, DQ_SLOTS: gl.constexpr):
+def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
+             tiles_per_head, D: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, ``DQ_PIECE`` columns at a time, added into
-    ``dq_desc`` by TMA reduce-adds from ``dq_smem`` (``DQ_SLOTS`` pieces, used in turn). One
+    ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
     accumulator chains both halves of the keys: consumer 0's product is brought to consumer 1's dS
     scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
@@ -200,22 +200,23 @@ def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_fre
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
         part = warpgroup_mma(ds1, k1, part * ratio[:, None], is_async=True)
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
-        slot = (i * PIECES + piece) % DQ_SLOTS
-        tma.store_wait(DQ_SLOTS - 1)  # the slot's last add has read it ...
-        gl.thread_barrier()  # ... as seen by the thread that issued it
-        dq_smem.index(slot).store(part * scale1[:, None])
+        staging = dq_even if piece % 2 == 0 else dq_odd
+        staging.store(part * scale1[:, None])
         fence_async_shared()
+        # One barrier per piece: every thread's part is written, and the issuing thread has seen the
+        # previous piece's add read the other buffer, which the next piece writes.
+        tma.store_wait(0)
         gl.thread_barrier()
-        _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * DQ_PIECE], dq_smem.index(slot))
+        _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * DQ_PIECE], staging)
     mbarrier.arrive(ds_free.index(buffer), count=1)
 
 
 @gluon.jit
 def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
-                            row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc,
+                            row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc,
                             kv_ready, ds_ready, ds_free, q_start, padded_q_start, padded_q, first_head, m_lo,
                             tiles_per_head, n_steps,
-                            HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_SLOTS: gl.constexpr,
+                            HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                             ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
     steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
@@ -233,10 +234,10 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
                        row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo,
                        tiles_per_head, HEADS_Q, D, STAGES)
         if ACCUMULATE_DQ:
-            _dq_step(i, ds_smem, scale_smem, kt_smem, dq_smem, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
-                     tiles_per_head, D, DQ_SLOTS)
+            _dq_step(i, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
+                     first_head, m_lo, tiles_per_head, D)
     if ACCUMULATE_DQ:
-        tma.store_wait(0)  # the last adds have read dq_smem before the program exits
+        tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
 
 
 @gluon.jit
@@ -405,11 +406,11 @@ def _attention_backward_kernel(
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    # Staging slots of dQ pieces for the dQ warpgroup, each read by its TMA reduce-add while the
-    # next ones are written: two steps' pieces, or two pieces where the bf16 operands of the exact
-    # S and dP leave no more room.
-    DQ_SLOTS: gl.constexpr = 2 if k_desc.dtype == gl.bfloat16 else 2 * (D // DQ_PIECE)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BLOCK_M, DQ_PIECE], dq_desc.layout)
+    # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
+    # next piece is written to the other; two allocations, not one of two slots, so that the
+    # compiler sees the store does not race the add and adds no barrier of its own.
+    dq_even = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_PIECE], dq_desc.layout)
+    dq_odd = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_PIECE], dq_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -434,9 +435,9 @@ def _attention_backward_kernel(
         [
             (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
                                        dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem,
-                                       dq_smem, dq_desc, kv_ready, ds_ready, ds_free, q_start.to(gl.int32),
+                                       dq_even, dq_odd, dq_desc, kv_ready, ds_ready, ds_free, q_start.to(gl.int32),
                                        padded_q_start, padded_q, first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D,
-                                       STAGES, DQ_SLOTS, ACCUMULATE_DQ)),
+                                       STAGES, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
                         ds_ready, ds_free,
