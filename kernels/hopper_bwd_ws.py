@@ -82,7 +82,8 @@ DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes,
 MAX_SCALE_RATIO = gl.constexpr(2.0**100)
 # The consumers form dS' times the scale factor of the running dS scale before its tile maximum is
 # known, but never times more than 2^32 (this byte): while the running scale is still far below the
-# tile's values (it starts at the smallest normal), 2^126 would overflow fp32.
+# tile's values (it starts at the smallest normal), 2^126 would overflow fp32; with 2^32, dS' may
+# reach 2^96 (~8e28) before it does.
 DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
 HEAD_DIMS = (64, 128)
 
