@@ -223,7 +223,10 @@ def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cro
     causal with qk_norm), but one flipped e4m3 rounding in a query row that sees a single key (the
     first token of every causal sequence: its output is that key's V value, its dS only rounding
     noise) moved the k_proj gradient by 3.6e-2 (seed 2105884511: token 34's output by 2.3e-2); a
-    producer bug moves them by O(1)."""
+    producer bug moves them by O(1). The k_proj bias gets no gradient in exact arithmetic (softmax
+    ignores a shift shared by every key), so both paths give rounding noise there (0.11 apart relative
+    to it, seed 766536140): its difference is measured against the size its sum of per-key terms
+    would have without that cancellation, which k_proj.weight's gradient gives per input feature."""
     fused, plain = _bf16_pair(dict(backend=backend, qk_norm=qk_norm), num_heads=4, num_kv_heads=2, head_dim=64,
                               kv_dim=48 if cross else None, causal=not cross, bias=cross)
     offsets = offsets_from_lengths(torch.tensor([0, 1, 33, 129, 31]))
@@ -239,8 +242,15 @@ def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cro
     assert len(calls) == 1 and out.dtype == torch.bfloat16
     assert relative_l2(out, ref) < 1e-2
     names = ["x", *(name for name, _ in fused.named_parameters())]
+    grads_by_name = dict(zip(names, ref_grads))
     for name, g, g_ref in zip(names, grads, ref_grads):
-        assert g.dtype == g_ref.dtype and relative_l2(g, g_ref) < 6e-2, name
+        assert g.dtype == g_ref.dtype, name
+        if name == "k_proj.bias":
+            weight = grads_by_name["k_proj.weight"].double()
+            uncancelled = weight.norm() / weight.shape[1] ** 0.5
+            assert float((g.double() - g_ref.double()).norm() / uncancelled) < 6e-2, name
+        else:
+            assert relative_l2(g, g_ref) < 6e-2, name
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "triton-fast"])
