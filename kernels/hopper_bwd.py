@@ -544,7 +544,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
-    each sequence from its ``padded_seq_start``, zeros past its end (lse2: +inf): also write the token scales
+    each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
     there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``, with ``P_LSE2``
     and ``Q_DELTA``, which takes Q's token scales from ``rows``: quantize Q first).
     """
