@@ -111,7 +111,7 @@ def store_sequence_copy(dst, tile, head, channels, seq_start, seq, rows, padded_
 
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
-rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)
+rceil_scale_byte_of_amax = triton.jit(mx_format.rceil_scale_byte_of_amax)
 floor_scale_byte = triton.jit(mx_format.floor_scale_byte)
 
 
@@ -144,14 +144,12 @@ def scale_byte_offset(row, col, n_col_tiles):
 
 @triton.jit
 def scale_byte_of_amax(amax, FLOOR: tl.constexpr):
-    """int32 E8M0 byte of fp32 block maxima by ``mx_format``'s rule (rceil, or floor).
-
-    ``amax / 448`` must round to nearest as torch's division does: Triton's plain ``/`` compiles
-    to an approximate division on the GPU, which can push an exact power of two to the next byte.
-    """
+    """int32 E8M0 byte of fp32 block maxima by ``mx_format``'s rule (rceil, or floor), from their
+    bits alone (rceil without the division by 448: ``mx_format.rceil_scale_byte_of_amax``)."""
+    bits = amax.to(tl.int32, bitcast=True)
     if FLOOR:
-        return floor_scale_byte(amax.to(tl.int32, bitcast=True))
-    return rceil_scale_byte(tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True))
+        return floor_scale_byte(bits)
+    return rceil_scale_byte_of_amax(bits)
 
 
 @triton.jit
