@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import hashlib
 import inspect
 import json
 import math
@@ -322,18 +323,26 @@ def plot(rows, path):
 
 
 def git_version():
+    """``git describe`` of the checkout plus a digest of the package's sources (``src:`` 12 hex
+    digits), which names the code even where the checkout's history is stale (a copied tree)."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return (
-            subprocess.run(
-                ["git", "describe", "--always", "--dirty"],  # "-dirty": the tree differs from that commit
-                capture_output=True,
-                text=True,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            ).stdout.strip()
-            or "unknown"
-        )
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],  # "-dirty": the tree differs from that commit
+            capture_output=True,
+            text=True,
+            cwd=here,
+        ).stdout.strip() or "unknown"
     except OSError:
-        return "unknown"
+        described = "unknown"
+    digest = hashlib.sha256()
+    root = os.path.dirname(here)
+    for folder in ("jagged_attn", "kernels"):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            if name.endswith(".py"):
+                with open(os.path.join(root, folder, name), "rb") as source:
+                    digest.update(name.encode() + b"\0" + source.read())
+    return f"{described} src:{digest.hexdigest()[:12]}"
 
 
 def main():
