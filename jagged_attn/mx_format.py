@@ -5,8 +5,8 @@ consecutive elements along the quantization axis shares one ``2^e`` scale stored
 biased-exponent byte (bias 127). Two rules pick ``e`` from the block's absolute maximum:
 
 * ``rceil`` (default; cuBLAS, Transformer Engine, ``cvt.rp.ue8m0x2.f32``):
-  ``e = ceil(log2(amax / 448))``, computed on float bits so it is exact (the kernels take the same
-  byte from amax's bits without dividing: :func:`rceil_scale_byte_of_amax`).
+  ``e = ceil(log2(amax / 448))`` of the correctly rounded quotient, computed on amax's bits with no
+  division, so it is exact (:func:`rceil_scale_byte`).
 * ``floor`` (OCP MX v1.0): ``e = floor(log2(amax)) - 8``; elements are then clamped to +-448.
 
 Bytes are clamped to [0, 254]; ``amax == 0`` gives byte 0. The byte functions are plain integer
@@ -27,19 +27,14 @@ P_STATIC_EXP = 8
 
 
 def rceil_scale_byte(bits):
-    """E8M0 byte from the fp32 bit pattern of ``amax / 448`` (non-negative, finite)."""
-    e = (bits + 0x7FFFFF) >> 23
-    return e - ((e + 1) >> 8)  # 255 would be NaN: clamp to 254 (a shift, not a division, in kernels)
-
-
-def rceil_scale_byte_of_amax(bits):
-    """The ``rceil`` byte straight from the fp32 bit pattern of ``amax`` (non-negative, finite), with
-    no division: for every such float the same byte as :func:`rceil_scale_byte` of ``amax / 448``
-    rounded to nearest (all 2^31 - 2^23 of them compared on the CPU, 2026-11-30; the tests check
-    every exponent near its edges). With ``amax = m 2^E``, ``m`` in [1, 2), ``amax / 448 = (m / 1.75)
-    2^(E - 8)``: its exponent rounds up past ``E - 8`` exactly when ``m > 1.75`` (mantissa field
-    above 0x600000); quotients up to the smallest normal take byte 1, and those that round to zero
-    (``amax`` at most 224 subnormal steps, 1.75 * 2^-142) byte 0. Finite ``amax`` never reaches 255."""
+    """E8M0 byte from the fp32 bit pattern of ``amax`` (non-negative, finite): the byte of
+    ``ceil(log2(amax / 448))`` with the quotient rounded to nearest, without dividing. With ``amax =
+    m 2^E``, ``m`` in [1, 2), ``amax / 448 = (m / 1.75) 2^(E - 8)``: its exponent rounds up past
+    ``E - 8`` exactly when ``m > 1.75`` (mantissa field above 0x600000); quotients up to the
+    smallest normal take byte 1, and those that round to zero (``amax`` at most 224 subnormal steps,
+    1.75 * 2^-142) byte 0; finite ``amax`` never reaches 255. The same byte as the division form
+    for all 2^31 - 2^23 such floats (compared on the CPU, 2026-11-30; the tests check every exponent
+    near its edges)."""
     e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000)
     e = e + (1 - e) * (e < 1)
     return e * (bits > 224)
@@ -60,12 +55,8 @@ def check_rounding(rounding: str) -> str:
 def scale_bytes(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
     """int32 E8M0 bytes for float32 block maxima ``amax`` (>= 0, finite)."""
     amax = amax.to(torch.float32)
-    if check_rounding(rounding) == "rceil":
-        # A tensor divisor: torch on CUDA divides by a Python scalar as a multiplication by its
-        # rounded reciprocal, which can land one ulp off the correctly rounded quotient (the byte
-        # of a block at the subnormal edge then differs from the kernels' division).
-        return rceil_scale_byte((amax / torch.full_like(amax, E4M3_MAX)).view(torch.int32))
-    return floor_scale_byte(amax.view(torch.int32))
+    bits = amax.view(torch.int32)
+    return rceil_scale_byte(bits) if check_rounding(rounding) == "rceil" else floor_scale_byte(bits)
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def store_sequence_copy(dst, tile, head, channels, seq_start, seq, rows, padded_
 
 scale_tile_offset = triton.jit(scale_layout.scale_tile_offset)
 scale_tile_base = triton.jit(scale_layout.scale_tile_base)
-rceil_scale_byte_of_amax = triton.jit(mx_format.rceil_scale_byte_of_amax)
+rceil_scale_byte = triton.jit(mx_format.rceil_scale_byte)
 floor_scale_byte = triton.jit(mx_format.floor_scale_byte)
 
 
@@ -144,12 +144,11 @@ def scale_byte_offset(row, col, n_col_tiles):
 
 @triton.jit
 def scale_byte_of_amax(amax, FLOOR: tl.constexpr):
-    """int32 E8M0 byte of fp32 block maxima by ``mx_format``'s rule (rceil, or floor), from their
-    bits alone (rceil without the division by 448: ``mx_format.rceil_scale_byte_of_amax``)."""
+    """int32 E8M0 byte of fp32 block maxima by ``mx_format``'s rule (rceil, or floor), from their bits."""
     bits = amax.to(tl.int32, bitcast=True)
     if FLOOR:
         return floor_scale_byte(bits)
-    return rceil_scale_byte_of_amax(bits)
+    return rceil_scale_byte(bits)
 
 
 @triton.jit
