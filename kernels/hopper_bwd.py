@@ -746,6 +746,13 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
         dq.zero_()
 
 
+def gluon_preparation(deterministic: bool = False) -> dict:
+    """What ``_Prepared`` makes for the Gluon path: Q^T and dO^T in ``PV_ORDER``, K^T in ``DS_ORDER``
+    (natural order when deterministic: the Triton dQ kernel reads it then, the Gluon kernel not),
+    and the padded per-query vectors."""
+    return dict(query_order=PV_ORDER, key_order=NATURAL_ORDER if deterministic else DS_ORDER, row_vectors=True)
+
+
 def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
                    deterministic, kernel="triton", **config):
     """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`.
@@ -756,10 +763,8 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
         exact_scores = config.pop("exact_scores", True)
         if config:
             raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
-        # The deterministic path's Triton dQ kernel reads K^T in natural order.
-        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=PV_ORDER,
-                         key_order=NATURAL_ORDER if deterministic else DS_ORDER, exact_scores=exact_scores,
-                         row_vectors=True)
+        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact_scores,
+                         **gluon_preparation(deterministic))
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
     prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)

@@ -24,9 +24,8 @@ from jagged_attn.reference import reference_backward, reference_forward
 from compile_util import compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
 
-# What hopper_bwd._backward_into prepares for the Gluon kernel: the token orders it reads Q^T / dO^T
-# and K^T in, and its padded per-query vectors.
-GLUON_PREPARATION = dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, row_vectors=True)
+# What hopper_bwd._backward_into prepares for the Gluon kernel (dQ accumulated).
+GLUON_PREPARATION = hopper_bwd.gluon_preparation()
 
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
