@@ -35,13 +35,13 @@ scales on the sequence axis (applied in the epilogues), Q and K's sequence copie
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v8-v11): exact S and dP 2.1x the Triton kernel's speed (0.92-0.94x
-cuDNN's BF16 backward, dense d128; causal 0.89-0.90x), gradients within 5e-3 of the reference
-backend on every input kind of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of
-the reference's; FP8 S and dP (backend ``triton-fast``) 2.2x (0.98-0.99x cuDNN), 1.5e-2 to 2e-1
-from the reference on heavy-tailed and outlier inputs. The consumers are at their register ceiling
-and sensitive to every instruction; the dQ path (publishing, wgmmas, staging, reduce-adds) adds
-~35% on top of them (PERF.md v7-v11).
+Measured on an H200 (docs/PERF.md, v8-v13): exact S and dP 1.01x cuDNN's BF16 backward (dense d128,
+2026-11-30 14:45; causal 0.94x), gradients within 5e-3 of the reference backend on every input kind
+of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of the reference's; FP8 S and dP
+(backend ``triton-fast``) 1.09x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier
+inputs. The consumers are at their register ceiling and sensitive to every instruction; with them
+sped up (v13) the dQ warpgroup bounds the kernel: its loads and dQ steps (publishing, wgmmas,
+staging, reduce-adds) add ~5 ms to the consumers' ~13.7 (PERF.md v11-v13).
 """
 from __future__ import annotations
 
@@ -86,6 +86,8 @@ MAX_SCALE_RATIO = gl.constexpr(2.0**100)
 # reach 2^96 (~8e28) before it does.
 DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
 HEAD_DIMS = (64, 128)
+# A [1] tensor whose one value every thread holds (scalars through shared memory).
+EVERY_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
 
 def tile_config(head_dim: int) -> dict:
@@ -97,41 +99,51 @@ def tile_config(head_dim: int) -> dict:
 
 
 @gluon.jit
-def _query_tile(step, first_head, m_lo, tiles_per_head):
-    """(query head, first query row) of loop step ``step``: heads outer, query tiles inner."""
-    return first_head + step // tiles_per_head, m_lo + (step % tiles_per_head) * BLOCK_M
+def _next_query_tile(head, m0, m_lo, m_end):
+    """(query head, first query row) of the step after the one at (head, m0): query tiles inner,
+    from m_lo up to m_end, heads outer (counted along, not divided out of the step index)."""
+    m0 = m0 + BLOCK_M
+    if m0 >= m_end:
+        head += 1
+        m0 = m_lo
+    return head, m0
 
 
 @gluon.jit
 def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transposed_smem, row_smem, ready, stage,
-               head, row, column, padded_q, FIRST_VECTOR: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr):
+               head, row, column, padded_q, FIRST_VECTOR: gl.constexpr, VECTORS: gl.constexpr, HEADS_Q: gl.constexpr,
+               D: gl.constexpr):
     """One query tile of a tensor on both axes (feature ``[BLOCK_M, D]``, transposed ``[D, BLOCK_M]``)
-    and two of its per-query vectors into ``stage``, all signalled on ``ready``."""
+    and VECTORS of its per-query vectors from FIRST_VECTOR on into ``stage``, all signalled on ``ready``."""
     mbarrier.expect(ready, feature_desc.block_type.nbytes + transposed_desc.block_type.nbytes
-                    + 2 * rows_desc.block_type.nbytes)
+                    + VECTORS * rows_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(feature_desc, [row, head * D], ready, feature_smem.index(stage))
     tma.async_copy_global_to_shared(transposed_desc, [head * D, column], ready, transposed_smem.index(stage))
-    for v in gl.static_range(FIRST_VECTOR, FIRST_VECTOR + 2):
+    for v in gl.static_range(FIRST_VECTOR, FIRST_VECTOR + VECTORS):
         tma.async_copy_global_to_shared(rows_desc, [(v * HEADS_Q + head) * padded_q + column], ready,
                                         row_smem.index(stage * ROW_VECTORS + v))
 
 
 @gluon.jit
-def _load_step(i, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready,
-               do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
+def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
+               row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q,
                HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """The operands of step i into stage i % STAGES once both consumers released it; with Q its
-    token scales and P_LSE2, with dO its token scales and Q_DELTA (``rows_desc``: the flat
+    """The operands of step i (query head ``head``, rows from ``m0``) into stage i % STAGES once both
+    consumers released it; with Q its token scales and P_LSE2, with dO Q_DELTA and (FP8 scores only:
+    the exact path's dP is in value units) its token scales (``rows_desc``: the flat
     ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
     stage = i % STAGES
     mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-    head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
     row = q_start + m0
     column = padded_q_start + m0
     _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
-               column, padded_q, Q_FACTOR, HEADS_Q, D)
-    _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
-               column, padded_q, DO_FACTOR, HEADS_Q, D)
+               column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
+    if do_desc.dtype == gl.bfloat16:
+        _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
+                   column, padded_q, Q_DELTA, 1, HEADS_Q, D)
+    else:
+        _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
+                   column, padded_q, DO_FACTOR, 2, HEADS_Q, D)
 
 
 @gluon.jit
@@ -159,24 +171,29 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _shared_scalar(smem):
+    """The one value of a ``[1]`` shared buffer, in every thread (the layout replicates it over
+    lanes and warps, so no shuffles reduce it)."""
+    return gl.max(smem.load(EVERY_THREAD), axis=0)
+
+
+@gluon.jit
 def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER: gl.constexpr):
     """Publish this warpgroup's dS (e4m3, queries x keys, keys contiguous: FP8 wgmma reads only
-    K-major operands) and its scale in buffer i % 2 for the dQ warpgroup's wgmmas."""
-    # The scale once per query (in S^T's column layout every thread would store 16 copies).
-    per_query: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    K-major operands) and its scale (``[1]``) in buffer i % 2 for the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
     mbarrier.wait(ds_free.index(buffer), ((i // 2) & 1) ^ 1)
     ds_smem.index(slot).store(_as_published_ds(ds8))
-    scale_smem.index(slot).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=per_query) + layout.scale_value(ds_byte))
+    scale_smem.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
     mbarrier.arrive(ds_ready.index(buffer), count=1)
 
 
 @gluon.jit
-def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start, first_head, m_lo,
-             tiles_per_head, D: gl.constexpr):
+def _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
+             D: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, ``DQ_PIECE`` columns at a time, added into
     ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
     accumulator chains both halves of the keys: consumer 0's product is brought to consumer 1's dS
@@ -184,25 +201,23 @@ def _dq_step(i, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
     PIECES: gl.constexpr = D // DQ_PIECE
     piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(DQ_PIECE)
-    rows: gl.constexpr = gl.SliceLayout(1, piece_layout)
     zero = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, layout=piece_layout)
-    head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
     buffer = i % 2
     mbarrier.wait(ds_ready.index(buffer), (i // 2) & 1)
     ds0 = ds_smem.index(buffer * CONSUMERS)
     ds1 = ds_smem.index(buffer * CONSUMERS + 1)
-    scale0 = scale_smem.index(buffer * CONSUMERS).load(rows)
-    scale1 = gl.maximum(scale_smem.index(buffer * CONSUMERS + 1).load(rows), scale0 * (1.0 / MAX_SCALE_RATIO))
+    scale0 = _shared_scalar(scale_smem.index(buffer * CONSUMERS))
+    scale1 = gl.maximum(_shared_scalar(scale_smem.index(buffer * CONSUMERS + 1)), scale0 * (1.0 / MAX_SCALE_RATIO))
     ratio = scale0 / scale1
     for piece in gl.static_range(PIECES):
         k0 = kt_smem.index(0).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
         k1 = kt_smem.index(1).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
         part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
-        part = warpgroup_mma(ds1, k1, part * ratio[:, None], is_async=True)
+        part = warpgroup_mma(ds1, k1, part * ratio, is_async=True)
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
         staging = dq_even if piece % 2 == 0 else dq_odd
-        staging.store(part * scale1[:, None])
+        staging.store(part * scale1)
         fence_async_shared()
         # One barrier per piece: every thread's part is written, and the issuing thread has seen the
         # previous piece's add read the other buffer, which the next piece writes.
@@ -222,21 +237,26 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
     """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
     steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
     consumers published their dS, so the consumers never wait for each other."""
+    m_end = m_lo + tiles_per_head * BLOCK_M
+    load_head, load_m0 = first_head, m_lo  # the query tile of the next step to load
     for i in range(gl.minimum(n_steps, STAGES)):
-        _load_step(i, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem, row_smem,
-                   q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo, tiles_per_head,
-                   HEADS_Q, D, STAGES)
+        _load_step(i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
+                   dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES)
+        load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
     if ACCUMULATE_DQ:  # the dQ wgmmas read both consumers' K^T tiles
         mbarrier.wait(kv_ready.index(0), 0)
         mbarrier.wait(kv_ready.index(1), 0)
+    head, m0 = first_head, m_lo
     for i in range(n_steps):
         if i + STAGES < n_steps:
-            _load_step(i + STAGES, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
-                       row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, first_head, m_lo,
-                       tiles_per_head, HEADS_Q, D, STAGES)
+            _load_step(i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem,
+                       do_smem, dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q,
+                       HEADS_Q, D, STAGES)
+            load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
         if ACCUMULATE_DQ:
-            _dq_step(i, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
-                     first_head, m_lo, tiles_per_head, D)
+            _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
+                     D)
+        head, m0 = _next_query_tile(head, m0, m_lo, m_end)
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
 
@@ -313,10 +333,11 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
+    m_end = m_lo + tiles_per_head * BLOCK_M
+    head, m0 = first_head, m_lo
     for i in range(n_steps):
         stage = i % STAGES
         phase = (i // STAGES) & 1
-        head, m0 = _query_tile(i, first_head, m_lo, tiles_per_head)
         queries = m0 + gl.arange(0, BLOCK_M, layout=s_cols)
         rows = stage * ROW_VECTORS
 
@@ -376,6 +397,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # small steps against a large running dK (heavy-tailed inputs' dK missed the 2e-2 bar so).
         dk_acc = dk_acc * rescale + dk_tile
         mbarrier.arrive(empty.index(stage), count=1)
+        head, m0 = _next_query_tile(head, m0, m_lo, m_end)
 
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
@@ -427,8 +449,7 @@ def _attention_backward_kernel(
     row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], rows_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
-    scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, BLOCK_M],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
     # next piece is written to the other; two allocations, not one of two slots, so that the
     # compiler sees the store does not race the add and adds no barrier of its own.
