@@ -428,8 +428,10 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
     warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated; and no wgmma
     serialized by ptxas, which it does to every wgmma of the kernel when one partition is short of
-    registers (note C7512: 23.9 against 21.7 ms on an H200). The descriptors are the launcher's own,
-    built on the host."""
+    registers (note C7512: 23.9 against 21.7 ms on an H200); and no shuffle reductions: each
+    consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``; gl.max's shuffle
+    rounds were 17% of the consumers' stall samples). The descriptors are the launcher's own, built
+    on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
     prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
@@ -454,6 +456,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
     assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == accumulate_dq
     assert "C7512" not in ptxas_report(ptx, 90)
+    assert "redux.sync.max.s32" in ptx and "shfl.sync.bfly" not in ptx
 
 
 # ----------------------------------------------------------------------------- GPU
