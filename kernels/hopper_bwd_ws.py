@@ -127,10 +127,10 @@ def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transpose
 @gluon.jit
 def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
                row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q,
-               HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+               HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr):
     """The operands of step i (query head ``head``, rows from ``m0``) into stage i % STAGES once both
-    consumers released it; with Q its token scales and P_LSE2, with dO Q_DELTA and (FP8 scores only:
-    the exact path's dP is in value units) its token scales (``rows_desc``: the flat
+    consumers released it; with Q its token scales and P_LSE2, with dO Q_DELTA and (not EXACT: the
+    exact path's dP is in value units) its token scales (``rows_desc``: the flat
     ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
     stage = i % STAGES
     mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -138,7 +138,7 @@ def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
     column = padded_q_start + m0
     _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
                column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
-    if do_desc.dtype == gl.bfloat16:
+    if EXACT:
         _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
                    column, padded_q, Q_DELTA, 1, HEADS_Q, D)
     else:
@@ -230,18 +230,17 @@ def _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc
 @gluon.jit
 def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
                             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc,
-                            kv_ready, ds_ready, ds_free, q_start, padded_q_start, padded_q, first_head, m_lo,
-                            tiles_per_head, n_steps,
-                            HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                            ACCUMULATE_DQ: gl.constexpr):
+                            kv_ready, ds_ready, ds_free, q_start, padded_q_start, padded_q, first_head, m_lo, m_end,
+                            n_steps, HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                            EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
     steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
     consumers published their dS, so the consumers never wait for each other."""
-    m_end = m_lo + tiles_per_head * BLOCK_M
     load_head, load_m0 = first_head, m_lo  # the query tile of the next step to load
     for i in range(gl.minimum(n_steps, STAGES)):
         _load_step(i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
-                   dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES)
+                   dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES,
+                   EXACT)
         load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
     if ACCUMULATE_DQ:  # the dQ wgmmas read both consumers' K^T tiles
         mbarrier.wait(kv_ready.index(0), 0)
@@ -251,7 +250,7 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
         if i + STAGES < n_steps:
             _load_step(i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem,
                        do_smem, dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q,
-                       HEADS_Q, D, STAGES)
+                       HEADS_Q, D, STAGES, EXACT)
             load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
         if ACCUMULATE_DQ:
             _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
@@ -288,9 +287,9 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
              row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free, amax_smem,
              qt_scale, k_scale, v_scale, dot_scale, dk, dv,
              seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
-             first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
+             first_head, m_lo, m_end, n_steps, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
     tile's dS for the dQ warpgroup."""
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
@@ -313,9 +312,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
     key_scales = kv_head.to(gl.int64) * total_k + k_start + keys
     k_factor = gl.load(k_scale + key_scales, mask=keys < len_k, other=0.0)
-    # S^T and dP^T come from bf16 copies holding the MX values (exact: fp32 accumulation) or from
+    # S^T and dP^T come from bf16 copies holding the MX values (EXACT: fp32 accumulation) or from
     # e4m3 copies in units of the token scales, applied here.
-    EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
     if not EXACT:
         k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
         v_factor = gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
@@ -333,7 +331,6 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
-    m_end = m_lo + tiles_per_head * BLOCK_M
     head, m0 = first_head, m_lo
     for i in range(n_steps):
         stage = i % STAGES
@@ -438,6 +435,9 @@ def _attention_backward_kernel(
     tiles_per_head = gl.maximum(gl.cdiv(len_q, BLOCK_M) - m_lo // BLOCK_M, 0)
     group = HEADS_Q // HEADS_KV
     n_steps = group * tiles_per_head
+    m_end = m_lo + tiles_per_head * BLOCK_M
+    # The producers' bf16 feature copies hold the MX values: S and dP come out exact, in value units.
+    EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, D], do_desc.layout)
@@ -482,22 +482,22 @@ def _attention_backward_kernel(
             (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
                                        dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem,
                                        dq_even, dq_odd, dq_desc, kv_ready, ds_ready, ds_free, q_start.to(gl.int32),
-                                       padded_q_start, padded_q, first_head, m_lo, tiles_per_head, n_steps, HEADS_Q, D,
-                                       STAGES, ACCUMULATE_DQ)),
+                                       padded_q_start, padded_q, first_head, m_lo, m_end, n_steps, HEADS_Q, D,
+                                       STAGES, EXACT, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
                         ds_ready, ds_free, amax_smem.slice(0, 32, dim=0),
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
-                        first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
-                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
+                        first_head, m_lo, m_end, n_steps, softmax_scale,
+                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
                         q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
                         ds_ready, ds_free, amax_smem.slice(32, 32, dim=0),
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
                         seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
-                        first_head, m_lo, tiles_per_head, n_steps, softmax_scale,
-                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, ACCUMULATE_DQ)),
+                        first_head, m_lo, m_end, n_steps, softmax_scale,
+                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
