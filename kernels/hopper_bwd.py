@@ -186,9 +186,9 @@ def _quantize_kernel(
     fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (the Gluon
-    kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end; with
-    DELTA also ``lse2 - P_STATIC_EXP`` (P_LSE2_ROW, +inf past the end) and Delta times the query's
-    token scale, read from vector Q_FACTOR_ROW (Q_DELTA_ROW: Q's producer must have run).
+    kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end.
+    P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
+    the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
@@ -204,7 +204,7 @@ def _quantize_kernel(
         lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if SCALE_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
+        if P_LSE2_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
             tl.store(padded_rows + P_LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
             q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
             tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
@@ -545,8 +545,9 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
     each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
-    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``, with ``P_LSE2``
-    and ``Q_DELTA``, which takes Q's token scales from ``rows``: quantize Q first).
+    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``: only for e4m3
+    copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
+    token scales from ``rows``: quantize Q first).
     """
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
@@ -572,13 +573,14 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     if sequence:
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    # The per-query vectors this producer writes into ``rows`` (-1: none): dO's token scales with P_LSE2
-    # and Q_DELTA (reading Q's token scales), or Q's token scales.
+    # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (reading
+    # Q's token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's token scales.
     scale_row = p_lse2_row = q_factor_row = q_delta_row = -1
     if rows is not None and with_delta:
         ws = hopper_bwd_ws
-        scale_row, p_lse2_row, q_factor_row, q_delta_row = (v.value for v in (ws.DO_FACTOR, ws.P_LSE2, ws.Q_FACTOR,
-                                                                              ws.Q_DELTA))
+        p_lse2_row, q_factor_row, q_delta_row = (v.value for v in (ws.P_LSE2, ws.Q_FACTOR, ws.Q_DELTA))
+        if feature_dtype != torch.bfloat16:
+            scale_row = ws.DO_FACTOR.value
     elif rows is not None:
         scale_row = hopper_bwd_ws.Q_FACTOR.value
     _quantize_kernel[grid](

@@ -70,7 +70,7 @@ QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.valu
 KEY_DIMS = gl.constexpr(layout.key_order_dims(layout.ds_key_slot, KEYS_PER_CONSUMER.value.bit_length() - 1))
 # Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these): Q's
 # token scale q; P_LSE2 = lse2 - log2(P_SCALE), so that exp2(logits - P_LSE2) is P * P_SCALE; dO's
-# token scale; Q_DELTA = q * Delta.
+# token scale (FP8 scores only: neither written nor read on the exact path); Q_DELTA = q * Delta.
 Q_FACTOR, P_LSE2, DO_FACTOR, Q_DELTA = (gl.constexpr(i) for i in range(4))
 ROW_VECTORS = gl.constexpr(4)
 DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes, the widest swizzled TMA box

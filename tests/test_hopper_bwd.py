@@ -331,18 +331,24 @@ def test_gluon_kernel_arguments_build_on_the_host():
                 assert torch.equal(past_end, torch.full_like(past_end, PAST_END[v_index]))
 
 
-def test_producers_write_the_padded_row_vectors():
+@pytest.mark.parametrize("feature_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_producers_write_the_padded_row_vectors(feature_dtype):
     """With ``rows`` the Q and dO producers also write the token scales, P_LSE2 and Q_DELTA into the
     Gluon kernel's padded per-query vectors: each non-empty sequence from its ``padded_seq_start``,
-    ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there), nothing else."""
+    ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there), nothing else;
+    dO's token scales only for e4m3 copies (the exact path's dP needs none)."""
     lengths, heads = [0, 3, 130, 1, 300], 4
     q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, heads, 2, 64)
     out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
     padded_q = hopper_bwd.padded_total(q.shape[0], len(lengths))
     rows = torch.full((hopper_bwd_ws.ROW_VECTORS.value, heads, padded_q), math.nan)
-    mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=rows)
-    mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse, rows=rows)
+    mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=rows, feature_dtype=feature_dtype)
+    mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse, rows=rows,
+                                            feature_dtype=feature_dtype)
     vectors = padded_vectors_of(mq.feature_scale, lse2, mdo.feature_scale, delta)
+    if feature_dtype == torch.bfloat16:
+        del vectors[hopper_bwd_ws.DO_FACTOR.value]
+        assert rows[hopper_bwd_ws.DO_FACTOR.value].isnan().all()
     written = torch.zeros(padded_q, dtype=torch.bool)
     for b, length in enumerate(lengths):
         start, slot = int(offsets[b]), layout.padded_seq_start(int(offsets[b]), b)
@@ -658,7 +664,8 @@ def test_gpu_preprocessing_bandwidth():
     produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse,
                             order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles, rows=rows)
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
-    # sequence copy written; per token and head fp32: LSE read, scale, Delta, lse2 written twice.
+    # sequence copy written; per token and head fp32: LSE and Q's token scale read, dO's token scale
+    # written, Delta and lse2 written twice (flat and padded).
     elements = dout.numel()
     produce_bytes = elements * (3 * dout.element_size() + 2 + 1) + dout.shape[0] * dout.shape[1] * 4 * 7
     produce_bandwidth = produce_bytes / produce_ms * 1e-6
