@@ -77,10 +77,13 @@ from .layout import (
 from .schedule import SLOT_TOKENS, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
-# Warps of the producer's two passes: four each, two programs per SM (H200, dense 8 x 8192 x 16 d128 dO:
-# 0.53 -> 0.43 ms against eight each, docs/PERF.md v9), and of the dQ finish pass.
+# Warps of the producer's two passes: four each (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms against
+# eight each, docs/PERF.md v9), and of the dQ finish pass. Both passes take their 128-token slot in chunks
+# of PRODUCER_CHUNK tokens (a multiple of 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms
+# against whole slots; 32 and 16, though lighter on registers, 0.488 and 0.858 (PERF.md, producers).
 AMAX_WARPS = 4
 QUANTIZE_WARPS = 4
+PRODUCER_CHUNK = 64
 FINISH_DQ_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
@@ -150,7 +153,7 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 def _sequence_amax_kernel(
     x_ptr, offsets_ptr, tiles_ptr, amax_ptr, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
@@ -158,9 +161,12 @@ def _sequence_amax_kernel(
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
         return
-    x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-    amax_bits = tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0).to(tl.int32, bitcast=True)
-    tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax_bits, sem="relaxed")
+    amax = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
+        x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
+        amax = tl.maximum(amax, tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0))
+    tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM),
+                  amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -172,12 +178,13 @@ def _quantize_kernel(
     rows_ptr,  # fp32 [vectors, H, padded]: per-query vectors in padded slots (the Gluon kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
     ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr, Q_FACTOR_ROW: tl.constexpr,
     Q_DELTA_ROW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """One (TILE-token tile of a sequence, head): read ``x`` once, write the requested outputs.
+    """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
+    requested outputs.
 
     FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
@@ -193,39 +200,40 @@ def _quantize_kernel(
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
     if tile * TILE >= seq_len:
         return
-    x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS, HEAD_DIM, TILE)
-    tokens = seq_start + rows
     channels = tl.arange(0, HEAD_DIM)
-    padded_rows = rows_ptr + h * padded + padded_seq_start(seq_start, b) + rows  # vector 0 of this head
-    if DELTA:  # first, so that O's tile is dead before the copies are formed (sm_90: no spills)
-        o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-        delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
-        tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
-        lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-        if P_LSE2_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
-            tl.store(padded_rows + P_LSE2_ROW * HEADS * padded, tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
-            q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
-            tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
-    if FEATURE:
-        byte = _token_scale_byte(x)
-        data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
-        if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
-            data = data.to(tl.float32) * scale_value(byte)[:, None]
-        tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
-        tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-        if SCALE_ROW >= 0:
-            tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, scale_value(byte), 0.0))
     if SEQUENCE:
-        group = h // GROUP
-        amax_bits = tl.load(amax_ptr + (group * batch + b) * HEAD_DIM + channels)
-        byte = scale_byte_of_amax(amax_bits.to(tl.float32, bitcast=True), False)
-        values = _sequence_axis_values(x, NORMALIZE_TOKENS)
-        data = fp8.to_e4m3(values * scale_factor(byte)[None, :], INTERPRET)
-        # The whole 128-token slot: zeros past the end.
-        store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, ORDER)
-        tl.store(sequence_scale_ptr + (group * batch + b) * HEAD_DIM + channels, scale_value(byte))
+        scales = (h // GROUP * batch + b) * HEAD_DIM + channels
+        sequence_byte = scale_byte_of_amax(tl.load(amax_ptr + scales).to(tl.float32, bitcast=True), False)
+        tl.store(sequence_scale_ptr + scales, scale_value(sequence_byte))
+    for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
+        x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
+        tokens = seq_start + rows
+        padded_rows = rows_ptr + h * padded + padded_seq_start(seq_start, b) + rows  # vector 0 of this head
+        if DELTA:  # first, so that O's tile is dead before the copies are formed
+            o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
+            delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
+            tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
+            lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
+            if P_LSE2_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
+                tl.store(padded_rows + P_LSE2_ROW * HEADS * padded,
+                         tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
+                q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
+                tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
+        if FEATURE:
+            byte = _token_scale_byte(x)
+            data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
+            if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
+                data = data.to(tl.float32) * scale_value(byte)[:, None]
+            tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
+            tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+            if SCALE_ROW >= 0:
+                tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, scale_value(byte), 0.0))
+        if SEQUENCE:  # the whole slot, zeros past the end
+            data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(sequence_byte)[None, :],
+                               INTERPRET)
+            store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, ORDER)
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -571,7 +579,8 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
     amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
-        _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, num_warps=AMAX_WARPS, **shape)
+        _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
+                                    num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
     # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (reading
     # Q's token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's token scales.
@@ -590,7 +599,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
-        total, padded, batch, GROUP=group,
+        total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
         FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, SCALE_ROW=scale_row,
         P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row, INTERPRET=fp8.INTERPRETED,
         num_warps=QUANTIZE_WARPS, **shape,

@@ -53,7 +53,6 @@ def key_order_dims(key_slot, bits: int = PV_KEY_BITS) -> list[int]:
 
 
 PV_KEY_DIMS = tl.constexpr(tuple(key_order_dims(pv_key_slot)))
-DS_KEY_DIMS = tl.constexpr(tuple(key_order_dims(ds_key_slot)))
 # Token orders of a sequence-axis copy inside each 128-token slot (``store_sequence_copy``).
 NATURAL_ORDER, PV_ORDER, DS_ORDER = (tl.constexpr(order) for order in range(3))
 
@@ -92,19 +91,29 @@ def gluon_columns_in_key_order(x, KEY_DIMS: gl.constexpr):
     return split.permute(KEY_DIMS.value).reshape([x.shape[0], x.shape[1]])
 
 
+# key_order_dims of each order for tiles of 2^4 .. 2^7 tokens: both orders move tokens only inside
+# 16-token groups, so any power of two from 16 has one.
+_ORDER_DIMS = tl.constexpr(tuple(tuple(tuple(key_order_dims(slot, bits)) for bits in range(4, PV_KEY_BITS + 1))
+                                 for slot in (pv_key_slot, ds_key_slot)))
+
+
+@gluon.constexpr_function
+def _order_dims(order, columns):
+    """``key_order_dims`` of token ORDER ``PV_ORDER`` or ``DS_ORDER`` for a tile of ``columns`` tokens."""
+    return tl.constexpr(_ORDER_DIMS.value[order - PV_ORDER.value][columns.bit_length() - 5])
+
+
 @triton.jit
 def store_sequence_copy(dst, tile, head, channels, seq_start, seq, rows, padded_total, D: tl.constexpr,
                         ORDER: tl.constexpr):
     """Store one head's ``[len(rows), len(channels)]`` tile of sequence ``seq`` (``rows`` counted
     inside it) transposed into a sequence-axis copy ``[H, D, padded_total]``: each channel's tokens
     contiguous, token ``i`` at column ``padded_seq_start + i``; with ORDER ``PV_ORDER`` or
-    ``DS_ORDER`` the tile is one whole 128-token slot, its tokens in ``pv_key_slot`` or
-    ``ds_key_slot`` order (what the Gluon kernels read)."""
+    ``DS_ORDER`` the tile is whole 16-token groups of a slot (a power of two of them), its tokens in
+    ``pv_key_slot`` or ``ds_key_slot`` order (what the Gluon kernels read)."""
     data = tl.trans(tile)  # in registers, so that each channel's tokens are stored contiguously
-    if ORDER == PV_ORDER:
-        data = columns_in_key_order(data, PV_KEY_DIMS)
-    elif ORDER == DS_ORDER:
-        data = columns_in_key_order(data, DS_KEY_DIMS)
+    if ORDER != NATURAL_ORDER:
+        data = columns_in_key_order(data, _order_dims(ORDER, data.shape[1]))
     columns = padded_seq_start(seq_start, seq) + rows
     tl.store(dst + (head.to(tl.int64) * D + channels[:, None]) * padded_total + columns[None, :], data)
 
