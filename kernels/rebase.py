@@ -55,6 +55,10 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # 64 channels on 4 warps against 442-449 with 32 on 1, the rebase pass 693-708 us with 32 on 1 against
 # 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch.
 FEATURE_CONFIG = dict(num_warps=4)
+# Tokens a feature-axis program rebases at a time (or one exponent group, if larger): from bf16 with exact
+# values, 64 took 622-662 -> 550 us against whole slots (H200, bf16 [262144, 16, 128], 2026-11-30 16:18;
+# from MXFP8 or with one exponent per 128-token KV tile the same within 1%).
+FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=4), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 
@@ -122,28 +126,32 @@ def dequantized_feature_rows(
 @triton.jit
 def _rebase_feature_kernel(
     src, scales, offsets, work, dst, factor, n_groups, scale_bytes_per_head, n_col_tiles,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """One (BLOCK_T-token tile, head), CHUNK tokens (whole groups) at a time."""
     head = tl.program_id(1)
-    seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
+    seq, tile, start, length, _ = _claimed_tile(work, offsets, BLOCK_T)
     if seq < 0:
         return
-    groups = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
-    if EXACT:
-        rebased = dequantized_feature_rows(
-            src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
-            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
-        )
-        group_factor = tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32)
-    else:
-        rebased, group_byte = rebased_feature_rows(
-            src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
-            HEADS, D, BLOCK_T, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
-        )
-        group_factor = layout.scale_value(group_byte)
-    tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased, mask=(rows < length)[:, None])
-    tl.store(factor + head.to(tl.int64) * n_groups + groups, group_factor)
+    for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
+        rows = chunk * CHUNK + tl.arange(0, CHUNK)
+        groups = (layout.padded_seq_start(start, seq) + chunk * CHUNK) // GROUP + tl.arange(0, CHUNK // GROUP)
+        if EXACT:
+            rebased = dequantized_feature_rows(
+                src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+                HEADS, D, CHUNK, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
+            )
+            group_factor = tl.full((CHUNK // GROUP,), 1.0, dtype=tl.float32)
+        else:
+            rebased, group_byte = rebased_feature_rows(
+                src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+                HEADS, D, CHUNK, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
+            )
+            group_factor = layout.scale_value(group_byte)
+        tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
+                 mask=(rows < length)[:, None])
+        tl.store(factor + head.to(tl.int64) * n_groups + groups, group_factor)
 
 
 @triton.jit
@@ -263,7 +271,8 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
-            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, GROUP=group, FROM_HIGH_PRECISION=mx is None,
+            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=max(group, FEATURE_CHUNK), GROUP=group,
+            FROM_HIGH_PRECISION=mx is None,
             FLOOR=rounding == "floor", EXACT=exact, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
         )
     return data, factor
