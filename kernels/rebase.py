@@ -55,9 +55,10 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # 64 channels on 4 warps against 442-449 with 32 on 1, the rebase pass 693-708 us with 32 on 1 against
 # 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch.
 FEATURE_CONFIG = dict(num_warps=4)
-# Tokens a feature-axis program rebases at a time (or one exponent group, if larger): from bf16 with exact
-# values, 64 took 622-662 -> 550 us against whole slots (H200, bf16 [262144, 16, 128], 2026-11-30 16:18;
-# from MXFP8 or with one exponent per 128-token KV tile the same within 1%).
+# Tokens a feature-axis program quantizes from bf16 at a time (or, unless exact, one exponent group if
+# larger); from MXFP8 (56 registers a whole slot) it takes whole slots. H200, bf16 [262144, 16, 128],
+# against whole slots (2026-11-30 16:18, 16:27): exact values 622-662 -> 550 us with one factor per token,
+# 551-579 -> 544-546 with one per 128 tokens; from MXFP8 chunks were 1% slower (docs/PERF.md v14).
 FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=4), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
@@ -129,29 +130,32 @@ def _rebase_feature_kernel(
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One (BLOCK_T-token tile, head), CHUNK tokens (whole groups) at a time."""
+    """One (BLOCK_T-token tile, head), CHUNK tokens at a time (whole exponent groups unless EXACT,
+    whose factors are all 1)."""
     head = tl.program_id(1)
     seq, tile, start, length, _ = _claimed_tile(work, offsets, BLOCK_T)
     if seq < 0:
         return
+    first_row = layout.padded_seq_start(start, seq) + tile * BLOCK_T
     for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
         rows = chunk * CHUNK + tl.arange(0, CHUNK)
-        groups = (layout.padded_seq_start(start, seq) + chunk * CHUNK) // GROUP + tl.arange(0, CHUNK // GROUP)
         if EXACT:
             rebased = dequantized_feature_rows(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                 HEADS, D, CHUNK, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
             )
-            group_factor = tl.full((CHUNK // GROUP,), 1.0, dtype=tl.float32)
         else:
             rebased, group_byte = rebased_feature_rows(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                 HEADS, D, CHUNK, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
             )
-            group_factor = layout.scale_value(group_byte)
+            groups = (first_row + (chunk - tile * (BLOCK_T // CHUNK)) * CHUNK) // GROUP + tl.arange(0, CHUNK // GROUP)
+            tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
-        tl.store(factor + head.to(tl.int64) * n_groups + groups, group_factor)
+    if EXACT:
+        groups = first_row // GROUP + tl.arange(0, BLOCK_T // GROUP)
+        tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
 
 
 @triton.jit
@@ -268,10 +272,11 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     data = torch.empty(values.shape, dtype=dtype, device=values.device)
     factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
+    chunk = TOKENS_PER_PROGRAM if mx is not None else FEATURE_CHUNK if exact else max(group, FEATURE_CHUNK)
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
-            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=max(group, FEATURE_CHUNK), GROUP=group,
+            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
             FROM_HIGH_PRECISION=mx is None,
             FLOOR=rounding == "floor", EXACT=exact, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
         )

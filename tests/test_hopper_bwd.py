@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -463,6 +464,34 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == accumulate_dq
     assert "C7512" not in ptxas_report(ptx, 90)
     assert "redux.sync.max.s32" in ptx and "shfl.sync.bfly" not in ptx
+
+
+@pytest.mark.parametrize("tensor", ["dout", "q"])
+def test_producer_passes_compile_to_sm90_without_spills(tensor):
+    """Both passes of the producer as the default backward launches them for dO (Delta, the padded
+    vectors, bf16 feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group
+    of two) compile for sm_90 without spills, in at most 168 registers: three programs of four warps
+    per SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/PERF.md v14)."""
+    ws = hopper_bwd_ws
+    is_do = tensor == "dout"
+    rows = dict(SCALE_ROW=-1 if is_do else ws.Q_FACTOR.value, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
+                Q_FACTOR_ROW=ws.Q_FACTOR.value, Q_DELTA_ROW=ws.Q_DELTA.value)
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=hopper_bwd.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
+                 GROUP=1 if is_do else 2, CHUNK=hopper_bwd.PRODUCER_CHUNK)
+    passes = [("_sequence_amax_kernel", shape, hopper_bwd.AMAX_WARPS),
+              ("_quantize_kernel", dict(shape, FEATURE=True, SEQUENCE=True, DELTA=is_do, ORDER=layout.PV_ORDER.value,
+                                        INTERPRET=False, **rows), hopper_bwd.QUANTIZE_WARPS)]
+    for kernel, constexprs, warps in passes:
+        names = getattr(hopper_bwd, kernel).arg_names
+        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*bf16", sequence_ptr="*fp8e4nv",
+                        offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
+        pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
+        ptx = compile_ptx("jagged_attn.kernels.hopper_bwd", kernel, _signature(names, pointers, constexprs),
+                          constexprs, arch=90, num_warps=warps,
+                          aligned=[n for n in names if n.endswith("_ptr") or n == "padded"])  # padded: 128k
+        report = ptxas_report(ptx, 90)
+        assert "0 bytes spill stores" in report, kernel
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, kernel
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -98,6 +98,11 @@ def test_rebase_feature_is_mx_values(poisoned):
             hp_data, hp_factor = rebase.quantize_rebase_feature(x, offsets, group=group)
             assert torch.equal(hp_data.float(), data.float())
             assert torch.equal(hp_factor[:, rows // group], factor[:, rows // group])
+        for group in (1, 128):  # exact: the MX values themselves, every factor 1 (group 128 spans chunks)
+            for data, factor in (rebase.rebase_feature(mx, group=group, exact=True),
+                                 rebase.quantize_rebase_feature(x, offsets, group=group, exact=True)):
+                assert torch.equal(data.float(), mx.dequantize().float())
+                assert bool((factor[:, rows // group] == 1).all())
 
 
 def check_rebase_sequence(lengths, heads, dim, rounding):
