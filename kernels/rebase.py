@@ -136,7 +136,7 @@ def _rebase_feature_kernel(
     seq, tile, start, length, _ = _claimed_tile(work, offsets, BLOCK_T)
     if seq < 0:
         return
-    first_row = layout.padded_seq_start(start, seq) + tile * BLOCK_T
+    slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
     for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
         rows = chunk * CHUNK + tl.arange(0, CHUNK)
         if EXACT:
@@ -149,12 +149,12 @@ def _rebase_feature_kernel(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                 HEADS, D, CHUNK, GROUP, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
             )
-            groups = (first_row + (chunk - tile * (BLOCK_T // CHUNK)) * CHUNK) // GROUP + tl.arange(0, CHUNK // GROUP)
+            groups = (slot_start + chunk * CHUNK) // GROUP + tl.arange(0, CHUNK // GROUP)
             tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
     if EXACT:
-        groups = first_row // GROUP + tl.arange(0, BLOCK_T // GROUP)
+        groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
 
 
@@ -272,7 +272,9 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     data = torch.empty(values.shape, dtype=dtype, device=values.device)
     factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
-    chunk = TOKENS_PER_PROGRAM if mx is not None else FEATURE_CHUNK if exact else max(group, FEATURE_CHUNK)
+    chunk = TOKENS_PER_PROGRAM  # from MXFP8
+    if mx is None:  # from bf16: chunks (of whole exponent groups, unless exact)
+        chunk = FEATURE_CHUNK if exact else max(group, FEATURE_CHUNK)
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
