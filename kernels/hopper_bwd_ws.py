@@ -138,12 +138,9 @@ def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_sme
     column = padded_q_start + m0
     _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
                column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
-    if EXACT:
-        _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
-                   column, padded_q, Q_DELTA, 1, HEADS_Q, D)
-    else:
-        _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
-                   column, padded_q, DO_FACTOR, 2, HEADS_Q, D)
+    # dO's vectors: DO_FACTOR and Q_DELTA, or Q_DELTA alone (adjacent: Q_DELTA = DO_FACTOR + 1)
+    _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
+               column, padded_q, DO_FACTOR + EXACT, 2 - EXACT, HEADS_Q, D)
 
 
 @gluon.jit
