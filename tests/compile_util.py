@@ -60,6 +60,12 @@ def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, 
     return result.stdout
 
 
+def divides(ptx: str) -> bool:
+    """Whether ``ptx`` has a floating-point division (rounded, full-range or approximate): the MX
+    scale bytes come from the maxima's bits (``mx_format.rceil_scale_byte``), never from ``amax / 448``."""
+    return any(f"div.{kind}" in ptx for kind in ("rn.f32", "full.f32", "approx"))
+
+
 def ptxas_report(ptx: str, arch: int = 90) -> str:
     """What Triton's own ptxas says (``-v``: registers, spills, performance notes) assembling ``ptx``
     for ``sm_{arch}a``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_util import compile_ptx
+from compile_util import compile_ptx, divides
 from jagged_attn.kernels import linear_quantize as lq
 from test_hopper_fwd import poisoned  # noqa: F401  (fixture: every torch.empty starts as NaN / 0xFF)
 from test_quantize_kernel import RAGGED, assert_data_identical, assert_scales_identical, ragged_offsets
@@ -184,7 +184,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma():
         assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
         assert "cp.async.bulk.tensor.2d" in ptx  # TMA loads of x and weight
         assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == quantize
-        assert not any(f"div.{kind}" in ptx for kind in ("rn.f32", "full.f32", "approx"))  # rceil byte from amax's bits
+        assert not divides(ptx)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
