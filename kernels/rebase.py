@@ -10,7 +10,9 @@ non-reduced index, in one pass over the data (two for the sequence axis):
   re-rounded to e4m3. A shift by a power of two is exact unless the element drops below e4m3's
   smallest normal (2^-6): only elements far below the group's largest block round, and their
   absolute error stays below the rounding error of the group's largest elements.
-  Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``. The ``exact`` form
+  Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``. (From high-precision
+  values with one group per 128-token tile, each tile is read for its maximum first, then again in
+  chunks, just read, so mostly from L2 by the measured time: docs/PERF.md v15.) The ``exact`` form
   (for S from a bf16 MMA) skips the shift: each element becomes its MX value in bf16, which holds
   every e4m3 value times a power of two exactly, and the factors are 1.
 * sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
@@ -55,10 +57,11 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # 64 channels on 4 warps against 442-449 with 32 on 1, the rebase pass 693-708 us with 32 on 1 against
 # 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch.
 FEATURE_CONFIG = dict(num_warps=4)
-# Tokens a feature-axis program quantizes from bf16 at a time (or, unless exact, one exponent group if
-# larger); from MXFP8 (56 registers a whole slot) it takes whole slots. H200, bf16 [262144, 16, 128],
-# against whole slots (2026-11-30 16:18, 16:27): exact values 622-662 -> 550 us with one factor per token,
-# 551-579 -> 544-546 with one per 128 tokens; from MXFP8 chunks were 1% slower (docs/PERF.md v14).
+# Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
+# first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
+# whole slots. H200, bf16 [262144, 16, 128], against whole slots (2026-11-30 16:18, 16:27): exact values
+# 622-662 -> 550 us with one factor per token, 551-579 -> 544-546 with one per 128 tokens; from MXFP8
+# chunks were 1% slower (docs/PERF.md v14).
 FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=4), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
@@ -105,9 +108,17 @@ def rebased_feature_rows(
     x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
     group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
+    return _onto_group_bytes(x, byte, group_byte, D, BLOCK_T, GROUP, INTERPRET), group_byte
+
+
+@triton.jit
+def _onto_group_bytes(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """MX blocks ``x [BLOCK_T, D / 32, 32]`` with bytes ``byte [BLOCK_T, D / 32]`` moved onto the bytes
+    ``group_byte [BLOCK_T / GROUP]`` of their GROUP-row groups (none smaller): e4m3 ``[BLOCK_T, D]``."""
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
     rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], INTERPRET)
-    return tl.reshape(rebased, (BLOCK_T, D)), group_byte
+    return tl.reshape(rebased, (BLOCK_T, D))
 
 
 @triton.jit
@@ -130,13 +141,26 @@ def _rebase_feature_kernel(
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One (BLOCK_T-token tile, head), CHUNK tokens at a time (whole exponent groups unless EXACT,
-    whose factors are all 1)."""
+    """One (BLOCK_T-token tile, head), CHUNK tokens at a time. A chunk holds whole exponent groups,
+    or (from high-precision values) GROUP is the whole tile: its byte then comes from a first read of
+    the tile's maximum (the byte of the largest element is the largest block byte: the rule is
+    monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1."""
     head = tl.program_id(1)
     seq, tile, start, length, _ = _claimed_tile(work, offsets, BLOCK_T)
     if seq < 0:
         return
     slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
+    tile_byte = 0
+    if not EXACT and GROUP > CHUNK:
+        tl.static_assert(FROM_HIGH_PRECISION and GROUP == BLOCK_T)
+        amax = 0.0
+        for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
+            rows = chunk * CHUNK + tl.arange(0, CHUNK)
+            amax = tl.maximum(amax, tl.max(tl.abs(_load_rows(src, head, start, rows, tl.arange(0, D), length,
+                                                              HEADS, D))))
+        tile_byte = layout.scale_byte_of_amax(amax, FLOOR)
+        tl.store(factor + head.to(tl.int64) * n_groups + (slot_start + tile * BLOCK_T) // GROUP,
+                 layout.scale_value(tile_byte))
     for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
         rows = chunk * CHUNK + tl.arange(0, CHUNK)
         if EXACT:
@@ -144,6 +168,10 @@ def _rebase_feature_kernel(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                 HEADS, D, CHUNK, FROM_HIGH_PRECISION, FLOOR, INTERPRET,
             )
+        elif GROUP > CHUNK:
+            x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
+                                   HEADS, D, CHUNK, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
+            rebased = _onto_group_bytes(x, byte, tl.zeros((1,), tl.int32) + tile_byte, D, CHUNK, CHUNK, INTERPRET)
         else:
             rebased, group_byte = rebased_feature_rows(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
@@ -272,9 +300,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     data = torch.empty(values.shape, dtype=dtype, device=values.device)
     factor = torch.empty(heads, n_groups, dtype=torch.float32, device=values.device)
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
-    chunk = TOKENS_PER_PROGRAM  # from MXFP8
-    if mx is None:  # from bf16: chunks (of whole exponent groups, unless exact)
-        chunk = FEATURE_CHUNK if exact else max(group, FEATURE_CHUNK)
+    chunk = FEATURE_CHUNK if mx is None else TOKENS_PER_PROGRAM  # from MXFP8: whole slots
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0], heads)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,

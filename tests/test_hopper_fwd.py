@@ -13,6 +13,7 @@ noise, ~2.5e-2 relative L2 on Gaussian inputs, which would hide real bugs.)
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
 from jagged_attn.mxfp8 import element_scale_bytes
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_seq_start, sequence_ids
-from compile_util import compile_ptx, descriptor_type
+from compile_util import compile_ptx, descriptor_type, ptxas_report
 
 O_TOLERANCE = 1e-2  # relative L2 of O against the reference on the same MXFP8 inputs
 LSE_TOLERANCE = 1e-3  # absolute
@@ -91,7 +92,7 @@ def test_rebase_feature_is_mx_values(poisoned):
     for x, offsets in ((q, offsets_q), (k, offsets_k)):
         mx = quantize_mxfp8(x, offsets)
         rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, x.shape[0]))
-        for group in (1, 64):
+        for group in (1, 64, 128):  # 128: from bf16 the group spans chunks (its maximum read first)
             data, factor = rebase.rebase_feature(mx, group=group)
             values = data.float() * factor[:, rows // group].t()[:, :, None]
             assert relative_l2(values, mx.dequantize()) < 1e-3
@@ -263,6 +264,25 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
     fp8 = [line for line in wgmma if "e4m3.e4m3" in line]
     bf16 = [line for line in wgmma if "bf16.bf16" in line]
     assert fp8 and len(fp8) + len(bf16) == len(wgmma) and bool(bf16) == (scores == "bf16")
+
+
+
+@pytest.mark.parametrize("exact, group", [(True, 1), (False, 1), (False, 128)])
+def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
+    """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
+    spans two chunks, read twice), compiles for sm_90 without spills in at most 96 registers (a whole
+    slot at a time took 147-202, 62-69% of copy against 80-83% in chunks on an H200; docs/PERF.md v15)."""
+    names = rebase._rebase_feature_kernel.arg_names
+    constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
+                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, INTERPRET=False)
+    pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
+                    factor="*fp32")
+    signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
+    ptx = compile_ptx("jagged_attn.kernels.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
+                      num_warps=rebase.FEATURE_CONFIG["num_warps"], aligned=list(pointers))
+    report = ptxas_report(ptx, 90)
+    assert "0 bytes spill stores" in report
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96
 
 
 GPU_CASES = [
