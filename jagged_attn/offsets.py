@@ -34,20 +34,34 @@ def values_unavailable(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or type(t).__name__ == "FakeTensor" or torch.compiler.is_compiling()
 
 
-def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
-    """Check ``offsets`` against the jagged convention for a values tensor with ``rows`` rows."""
+def check_offsets_type(offsets, name: str = "offsets") -> None:
+    """The part of :func:`validate_offsets` that needs no values: a 1-D int32/int64 tensor, not empty."""
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must be 1-D with at least one element, got shape {tuple(offsets.shape)}")
+
+
+def offsets_facts(offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[3]`` on the offsets' device, formed without waiting for it: the first offset, the last,
+    and 1 if some offset is below its predecessor (else 0). Reading it (``.tolist()``) is the one wait."""
+    o = offsets.to(torch.int64)
+    decreases = (o[1:] < o[:-1]).any() if o.numel() > 1 else torch.zeros((), dtype=torch.bool, device=o.device)
+    return torch.stack([o[0], o[-1], decreases.to(torch.int64)])
+
+
+def validate_offsets(offsets, rows: int, name: str = "offsets", facts=None) -> torch.Tensor:
+    """Check ``offsets`` against the jagged convention for a values tensor with ``rows`` rows (one
+    wait for the device; none with ``facts``, its :func:`offsets_facts` already read by the caller)."""
+    check_offsets_type(offsets, name)
     if values_unavailable(offsets):
         return offsets
-    first, last = int(offsets[0]), int(offsets[-1])
+    first, last, decreases = offsets_facts(offsets).tolist() if facts is None else facts
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
-    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+    if decreases:
         raise ValueError(f"{name} must be non-decreasing")
     if last != rows:
         raise ValueError(f"{name}[-1] must equal the number of rows ({rows}), got {last}")
