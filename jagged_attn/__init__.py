@@ -3,10 +3,11 @@
 from .interface import jagged_attention
 from .jagged import JaggedTensor
 from .mxfp8 import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_dual
+from .offsets import value_checks
 from .serialization import load, save
 
 __all__ = [
     "JaggedTensor", "MXFP8Jagged", "quantize_mxfp8", "quantize_mxfp8_dual", "dequantize_mxfp8", "jagged_attention",
-    "save", "load",
+    "save", "load", "value_checks",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,9 @@
   straight-through, as for ``jagged_attn::attention``).
 
 The MXFP8 outputs are not differentiable: gradients reach the producers through the
-high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAttention``).
+high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAttention``: the offsets
+before the producers run, the finiteness of q, k, v after, in one wait for the device), so the ops
+run their kernels' own value checks off.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from .backends import get_backend
 from .mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
+from .offsets import value_checks
 from .ops import attention_gradients, save_for_attention_backward
 from .scale_layout import tiled_bytes
 
@@ -48,7 +51,8 @@ def linear_quantize_op(
     """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales)."""
     from .kernels.linear_quantize import linear_quantize
 
-    mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias)
+    with value_checks(False):  # the caller checks offsets and results (module docstring)
+        mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias)
     return y, mx.data, mx.scales
 
 
@@ -85,7 +89,8 @@ def rms_norm_quantize_op(
     """``x [total, H, D]``, ``weight [D]`` -> (normalized like x, rstd fp32 ``[total, H]``, e4m3 data, e8m0 scales)."""
     from .kernels.rmsnorm_quantize import rms_norm_quantize
 
-    mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps)
+    with value_checks(False):  # the caller checks offsets and results (module docstring)
+        mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps)
     return normalized, rstd, mx["feature"].data, mx["feature"].scales
 
 
@@ -137,10 +142,11 @@ def prequantized_attention_op(
     same bytes as quantizing it inside the rebasing passes (``attention_forward_hp``: bf16 V read
     twice, for the exponents and the data, ~5 bytes per element either way), one launch and one
     temporary e4m3 V more, through the backend's public entry point whatever kernel it runs."""
-    q_mx = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
-    k_mx = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
-    v_mx = quantize_mxfp8(v, offsets_k, axis="sequence")
-    return get_backend(backend).forward_mx(q_mx, k_mx, v_mx, causal, softmax_scale, q.dtype)
+    with value_checks(False):  # the caller checks offsets and values (module docstring)
+        q_mx = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
+        k_mx = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
+        v_mx = quantize_mxfp8(v, offsets_k, axis="sequence")
+        return get_backend(backend).forward_mx(q_mx, k_mx, v_mx, causal, softmax_scale, q.dtype)
 
 
 @prequantized_attention_op.register_fake

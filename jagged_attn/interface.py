@@ -9,7 +9,7 @@ import torch
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_values, finite_flag, nonfinite_error
-from .offsets import check_offsets_type, offsets_facts, validate_offsets, values_unavailable
+from .offsets import check_offsets_type, known_valid, offsets_facts, skip_value_check, validate_offsets
 
 
 V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantization axis of V
@@ -40,18 +40,22 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("o
     and each tensor of ``finite`` all finite (named by ``finite_names``), read from the device in one
     wait: the host then runs ahead of the kernels that follow (each wait left the GPU idle while the
     host launched the next ones: ~3.5 ms of a 31 ms training step on an H200, nine waits, docs/PERF.md v15)."""
-    check_offsets_type(offsets_q, names[0])
-    check_offsets_type(offsets_k, names[1])
-    facts = None
-    if not any(values_unavailable(t) for t in (offsets_q, offsets_k, *finite)):
-        parts = [offsets_facts(offsets_q), offsets_facts(offsets_k)]
+    pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
+    for offsets, _, name in pairs:
+        check_offsets_type(offsets, name)
+    if any(skip_value_check(t) for t in (offsets_q, offsets_k, *finite)):
+        for offsets, rows, name in pairs:  # each checks what it can read
+            validate_offsets(offsets, rows, name)
+    else:
+        unknown = [pair for pair in pairs if not known_valid(pair[0], pair[1])]
+        parts = [offsets_facts(offsets) for offsets, _, _ in unknown]
         parts += [finite_flag(x).to(torch.int64).reshape(1) for x in finite]
-        facts = torch.cat([p.to(offsets_q.device) for p in parts]).tolist()  # the one wait
-        for name, is_finite in zip(finite_names, facts[6:]):
+        facts = torch.cat([p.to(offsets_q.device) for p in parts]).tolist() if parts else []  # the one wait
+        for name, is_finite in zip(finite_names, facts[3 * len(unknown):]):
             if not is_finite:
                 raise nonfinite_error(name)
-    validate_offsets(offsets_q, rows_q, names[0], None if facts is None else facts[:3])
-    validate_offsets(offsets_k, rows_k, names[1], None if facts is None else facts[3:6])
+        for i, (offsets, rows, name) in enumerate(unknown):
+            validate_offsets(offsets, rows, name, facts[3 * i:3 * i + 3])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
@@ -67,7 +71,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 
 
 def _same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b or values_unavailable(a):
+    if a is b or skip_value_check(a):
         return a.shape == b.shape
     return a.shape == b.shape and bool((a.to(torch.int64) == b.to(torch.int64)).all())
 

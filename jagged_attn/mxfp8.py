@@ -27,6 +27,7 @@ from .offsets import (
     sequence_ids,
     single_sequence_offsets,
     validate_offsets,
+    skip_value_check,
     values_unavailable,
 )
 from .scale_layout import TILE_COLS, from_tiles, num_tiles, tiled_bytes, to_tiles
@@ -141,7 +142,7 @@ def check_values(values, name: str = "values", *, finite: bool = True) -> None:
         raise ValueError(f"{name} must be [total, heads, D] or [total, D], got shape {tuple(values.shape)}")
     if values.shape[-1] == 0 or values.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"{name}: the last dimension (D = {values.shape[-1]}) must be a positive multiple of 32")
-    if finite and not values_unavailable(values) and values.numel():
+    if finite and not skip_value_check(values) and values.numel():
         check_finite(values, name)
 
 
@@ -160,7 +161,7 @@ def nonfinite_error(name: str) -> ValueError:
 
 def check_finite(x: torch.Tensor, name: str) -> None:
     """Raise unless ``x`` is all finite (a tensor, or its block maxima: NaN and Inf propagate into them)."""
-    if not values_unavailable(x) and not bool(finite_flag(x)):
+    if not skip_value_check(x) and not bool(finite_flag(x)):
         raise nonfinite_error(name)
 
 

@@ -79,13 +79,18 @@ class JaggedAttention(nn.Module):
         from .fused_ops import prequantized_attention_op
 
         offsets_kv = offsets if offsets_kv is None else offsets_kv
-        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=("offsets", "offsets_kv"))
+        names = ("offsets", "offsets_kv")
+        # The offsets before the producers use them (a wait only the first time a tensor is seen), the
+        # projections' finiteness after, with nothing else to read: one wait per call once offsets are known.
+        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names)
         q, q_data, q_scales = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
         k, k_data, k_scales = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm", self.num_kv_heads)
-        v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim)).to(q.dtype)
+        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names, finite=(q, k, v),
+                           finite_names=("q", "k", "v"))
         softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
-        out, _ = prequantized_attention_op(q, k, v.to(q.dtype), q_data, q_scales, k_data, k_scales, offsets,
-                                           offsets_kv, self.causal, softmax_scale, backend, False)
+        out, _ = prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets, offsets_kv,
+                                           self.causal, softmax_scale, backend, False)
         return out
 
     def _quantized_projection(self, x, offsets, projection, norm_name, heads):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import jagged_attn as ja
+from gpu_util import device_to_host_copies
 from jagged_attn import backends
 from jagged_attn.metrics import cosine, relative_l2
 from jagged_attn.offsets import offsets_from_lengths
@@ -161,6 +162,50 @@ def test_bad_input(case):
         ja.jagged_attention(*args, **kwargs)
 
 
+def test_value_checks_off_skips_only_the_checks_that_read_values():
+    """Inside ``value_checks(False)`` NaN inputs go through unchecked (what comes out is then
+    undefined), dtype checks still raise, a nested ``value_checks(True)`` turns them back on, and so
+    does leaving the block."""
+    q, k, v, oq, ok = _inputs()
+    nan_q = q.clone()
+    nan_q[1, 0, 5] = float("nan")
+    with ja.value_checks(False):
+        assert ja.jagged_attention(nan_q, k, v, oq, ok).shape == q.shape
+        assert ja.quantize_mxfp8(nan_q, oq).data.shape == q.shape
+        with pytest.raises(TypeError, match="share a dtype"):
+            ja.jagged_attention(q, k.half(), v.half(), oq, ok)
+        with ja.value_checks(True), pytest.raises(ValueError, match="q contains NaN or Inf"):
+            ja.jagged_attention(nan_q, k, v, oq, ok)
+    for call in (lambda: ja.jagged_attention(nan_q, k, v, oq, ok), lambda: ja.quantize_mxfp8(nan_q, oq)):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            call()
+
+
+def test_offsets_are_read_once_until_written(monkeypatch):
+    """validate_offsets reads an offsets tensor's facts from the device once; again only for other rows
+    or after an in-place write (its version counter), which can make it invalid."""
+    from jagged_attn import interface, offsets as offsets_module
+
+    reads = []
+    facts = offsets_module.offsets_facts
+    for module in (offsets_module, interface):
+        monkeypatch.setattr(module, "offsets_facts", lambda o: reads.append(1) or facts(o))
+    offsets = offsets_from_lengths(torch.tensor([3, 0, 5]))
+    for _ in range(3):
+        offsets_module.validate_offsets(offsets, 8)
+    assert len(reads) == 1
+    with pytest.raises(ValueError, match="must equal the number of rows"):
+        offsets_module.validate_offsets(offsets, 9)
+    assert len(reads) == 2
+    offsets[1] = 6  # 0, 6, 3, 8: now decreasing
+    with pytest.raises(ValueError, match="non-decreasing"):
+        offsets_module.validate_offsets(offsets, 8)
+    q, k, v, oq, ok = _inputs()
+    ja.jagged_attention(q, k, v, oq, ok)
+    ja.jagged_attention(q, k, v, oq, ok)
+    assert len(reads) == 5  # offsets_q and offsets_k, once each
+
+
 def test_token_scaled_v_rules_out_causal_leakage():
     """With v_scaling="token", a future token's V cannot change an earlier output, even by rounding."""
     q, k, v, oq, ok = _inputs(lengths_q=(64,), lengths_k=(64,), hq=1, hkv=1, dim=32)
@@ -220,13 +265,13 @@ def test_gpu_backends_through_the_public_api(backend):
 
 
 @pytest.mark.gpu
-def test_gpu_training_step_waits_for_the_device_once():
+@pytest.mark.parametrize("checks, waits", [(True, 1), (False, 0)])
+def test_gpu_training_step_waits_for_the_device_once(checks, waits):
     """A forward + backward of jagged_attention (backend triton, bf16) copies from the device to the
-    host once: the validation's one read of the offsets' facts and the inputs' finiteness. Every wait
-    leaves the GPU idle while the host launches what follows (nine waits cost ~3.5 ms of a 31 ms step
-    on an H200, docs/PERF.md v15); the kernels' own launches need none."""
-    from torch.profiler import ProfilerActivity, profile
-
+    host once: the validation's one read of the offsets' facts and the inputs' finiteness; never
+    inside ``value_checks(False)``. Every wait leaves the GPU idle while the host launches what follows
+    (nine waits cost ~3.5 ms of a 31 ms step on an H200, docs/PERF.md v15); the kernels' own launches
+    need none."""
     q, k, v, oq, ok = (x.cuda() for x in _inputs(lengths_q=(0, 1, 129, 700), lengths_k=(5, 64, 128, 900), hq=4,
                                                  hkv=2, dim=128, dtype=torch.bfloat16))
     leaves = [x.requires_grad_(True) for x in (q, k, v)]
@@ -235,13 +280,8 @@ def test_gpu_training_step_waits_for_the_device_once():
         out = ja.jagged_attention(*leaves, oq, ok, causal=True, backend="triton")
         return torch.autograd.grad(out, leaves, torch.randn_like(q))
 
-    step()  # compiles and caches
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    copies = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "DtoH" in e.name]
-    assert len(copies) == 1, copies
+    copies = device_to_host_copies(step, value_checks=checks)
+    assert len(copies) == waits, copies
 
 
 @pytest.mark.gpu

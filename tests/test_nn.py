@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+import jagged_attn as ja
 from attention_oracle import padded_attention
+from gpu_util import device_to_host_copies
 from jagged_attn.metrics import cosine, relative_l2
 from jagged_attn.nn import JaggedAttention
 from jagged_attn.offsets import offsets_from_lengths
@@ -211,6 +213,26 @@ def _calls_of(monkeypatch, name):
     calls, op = [], getattr(fused_ops, name)
     monkeypatch.setattr(fused_ops, name, lambda *args: calls.append(1) or op(*args))
     return calls
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_layer_rejects_nonfinite_projections(qk_norm):
+    """The fused path's producers run without their own checks (fused_ops' docstring): the layer checks
+    q, k and v itself, naming the first non-finite one, and ``value_checks(False)`` skips that."""
+    fused, _ = _bf16_pair(dict(backend="reference", qk_norm=qk_norm), num_heads=2, head_dim=64)
+    offsets = offsets_from_lengths(torch.tensor([3, 40]))
+    x = torch.randn(43, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused.k_proj.weight[5, 7] = float("inf")
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        fused(x, offsets)
+    with torch.no_grad():
+        fused.k_proj.weight[5, 7] = 0.0
+        fused.v_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="v contains NaN or Inf"):
+        fused(x, offsets)
+    with ja.value_checks(False):
+        assert fused(x, offsets).shape == x.shape
 
 
 @pytest.mark.parametrize("backend, qk_norm, cross", [("reference", False, True), ("reference", True, False),
@@ -426,3 +448,22 @@ def test_gpu_producer_mxfp8_gives_bit_identical_attention(backend):
         finite = torch.isfinite(lse)
         assert float((out.double() - ref.double()).norm() / ref.double().norm()) <= 1e-3
         assert float((lse[finite] - ref_lse[finite]).abs().amax()) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused, checks, waits", [(True, True, 1), (False, True, 1), (True, False, 0)])
+def test_gpu_layer_step_waits_for_the_device_once(fused, checks, waits):
+    """A training step of the layer (its offsets seen before) copies from the device to the host once,
+    fused producers or not: the check of q, k, v's finiteness (the offsets are known valid); never
+    inside ``value_checks(False)``. Twelve waits per step made the fused layer 15% slower than the
+    plain one on an H200 (docs/PERF.md v15)."""
+    layer = JaggedAttention(256, 4, head_dim=64, causal=True, backend="triton", fused_producers=fused,
+                            device="cuda", dtype=torch.bfloat16)
+    offsets = offsets_from_lengths(torch.tensor(GPU_LENGTHS)).cuda()
+    x = torch.randn(int(offsets[-1]), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        return torch.autograd.grad(layer(x, offsets).float().square().sum(), [x, *layer.parameters()])
+
+    copies = device_to_host_copies(step, value_checks=checks)
+    assert len(copies) == waits, copies
