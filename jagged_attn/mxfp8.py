@@ -26,8 +26,8 @@ from .offsets import (
     padded_total,
     sequence_ids,
     single_sequence_offsets,
-    validate_offsets,
     skip_value_check,
+    validate_offsets,
     values_unavailable,
 )
 from .scale_layout import TILE_COLS, from_tiles, num_tiles, tiled_bytes, to_tiles

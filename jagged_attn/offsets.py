@@ -46,8 +46,8 @@ def value_checks(enabled: bool):
     """Within the block, in the calling thread, the input checks that read tensor values (offsets'
     contents, NaN/Inf in inputs and in the producers' results) run (``True``, the default outside any
     block) or are skipped (``False``). Each call that checks waits for the device once, which leaves
-    a GPU idle while the host launches what follows (~1.2 ms of a 28.6 ms training step of
-    ``jagged_attention`` on an H200, docs/PERF.md v15); a training loop over trusted data can skip
+    a GPU idle while the host launches what follows (1.2-2.9 ms of a 28.6-29.8 ms training step
+    of ``jagged_attention`` on an H200, docs/PERF.md v15); a training loop over trusted data can skip
     them. Checks of dtypes, shapes and devices always run. Unchecked bad offsets can make kernels
     read or write out of bounds."""
     previous = getattr(_checks, "off", False)

@@ -270,8 +270,8 @@ def test_gpu_training_step_waits_for_the_device_once(checks, waits):
     """A forward + backward of jagged_attention (backend triton, bf16) copies from the device to the
     host once: the validation's one read of the offsets' facts and the inputs' finiteness; never
     inside ``value_checks(False)``. Every wait leaves the GPU idle while the host launches what follows
-    (nine waits cost ~3.5 ms of a 31 ms step on an H200, docs/PERF.md v15); the kernels' own launches
-    need none."""
+    (making nine waits one took an H200's step from 30.98 to 28.76 ms, docs/PERF.md v15); the kernels'
+    own launches need none."""
     q, k, v, oq, ok = (x.cuda() for x in _inputs(lengths_q=(0, 1, 129, 700), lengths_k=(5, 64, 128, 900), hq=4,
                                                  hkv=2, dim=128, dtype=torch.bfloat16))
     leaves = [x.requires_grad_(True) for x in (q, k, v)]
