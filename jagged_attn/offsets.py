@@ -69,8 +69,9 @@ _valid_offsets = WeakIdKeyDictionary()
 
 
 def known_valid(offsets: torch.Tensor, rows: int) -> bool:
-    """True if ``offsets`` passed :func:`validate_offsets` for ``rows`` and was not written since."""
-    return _valid_offsets.get(offsets) == (offsets._version, rows)
+    """True if ``offsets`` passed :func:`validate_offsets` for ``rows`` and was not written since
+    (never for inference-mode tensors: they keep no version counter, so they are checked every time)."""
+    return not offsets.is_inference() and _valid_offsets.get(offsets) == (offsets._version, rows)
 
 
 def check_offsets_type(offsets, name: str = "offsets") -> None:
@@ -105,7 +106,8 @@ def validate_offsets(offsets, rows: int, name: str = "offsets", facts=None) -> t
         raise ValueError(f"{name} must be non-decreasing")
     if last != rows:
         raise ValueError(f"{name}[-1] must equal the number of rows ({rows}), got {last}")
-    _valid_offsets[offsets] = (offsets._version, rows)
+    if not offsets.is_inference():
+        _valid_offsets[offsets] = (offsets._version, rows)
     return offsets
 
 

@@ -204,6 +204,15 @@ def test_offsets_are_read_once_until_written(monkeypatch):
     ja.jagged_attention(q, k, v, oq, ok)
     ja.jagged_attention(q, k, v, oq, ok)
     assert len(reads) == 5  # offsets_q and offsets_k, once each
+    with torch.inference_mode():  # inference tensors keep no version counter: read at every validation
+        oq, ok = oq.clone(), ok.clone()
+        ja.jagged_attention(q, k, v, oq, ok)
+        first = len(reads) - 5
+        ja.jagged_attention(q, k, v, oq, ok)
+        assert first >= 2 and len(reads) - 5 == 2 * first
+        oq[1] = 4  # 0, 4, 3, ...
+        with pytest.raises(ValueError, match="non-decreasing"):
+            ja.jagged_attention(q, k, v, oq, ok)
 
 
 def test_token_scaled_v_rules_out_causal_leakage():
