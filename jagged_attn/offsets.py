@@ -69,8 +69,10 @@ _valid_offsets = WeakIdKeyDictionary()
 
 
 def known_valid(offsets: torch.Tensor, rows: int) -> bool:
-    """True if ``offsets`` passed :func:`validate_offsets` for ``rows`` and was not written since
-    (never for inference-mode tensors: they keep no version counter, so they are checked every time)."""
+    """True if ``offsets`` passed :func:`validate_offsets` for ``rows`` and torch has not written it
+    since (its version counter: a write around torch, by a kernel of one's own through its pointer, is
+    not seen). Never for inference-mode tensors: they keep no version counter, so they are checked
+    every time."""
     return not offsets.is_inference() and _valid_offsets.get(offsets) == (offsets._version, rows)
 
 
