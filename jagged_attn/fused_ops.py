@@ -1,11 +1,11 @@
 """Differentiable torch.library ops for a layer built from the fused MXFP8 producers.
 
 * ``jagged_attn::linear_quantize``: ``y = x @ weight.T (+ bias)`` as bf16 ``[total, H, D]`` plus
-  its feature-axis MXFP8 (data, tiled scales) from the GEMM's epilogue
+  its feature-axis MXFP8 (data, tiled scales) and a NaN/Inf flag from the GEMM's epilogue
   (``kernels/linear_quantize.py``). Differentiable in x, weight, bias through ``y``: the ordinary
   linear gradients, in torch.
 * ``jagged_attn::rms_norm_quantize``: RMSNorm over D of ``x [total, H, D]`` as (normalized, rstd)
-  plus the normalized values' feature-axis MXFP8, from one read of ``x``
+  plus the normalized values' feature-axis MXFP8 and a NaN/Inf flag, from one read of ``x``
   (``kernels/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
   RMSNorm gradients from the saved rstd (torch's fused RMSNorm backward kernel on CUDA).
 * ``jagged_attn::prequantized_attention``: attention whose Q and K arrive quantized (data +
@@ -16,8 +16,8 @@
 
 The MXFP8 outputs are not differentiable: gradients reach the producers through the
 high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAttention``: the offsets
-before the producers run, the finiteness of q, k, v after, in one wait for the device), so the ops
-run their kernels' own value checks off.
+before the producers run; after them, in one wait for the device, the producers' flags (fp32 ``[1]``,
+NaN/Inf if the result holds any) and v's finiteness), so the ops themselves wait for nothing.
 """
 
 from __future__ import annotations
@@ -47,30 +47,35 @@ def _empty_feature_mxfp8(like: torch.Tensor, batch: int) -> tuple[torch.Tensor, 
 def linear_quantize_op(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], offsets: torch.Tensor,  # noqa: UP045
     heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales,
+    the NaN/Inf flag of y)."""
     from .kernels.linear_quantize import linear_quantize
 
-    with value_checks(False):  # the caller checks offsets and results (module docstring)
-        mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias)
-    return y, mx.data, mx.scales
+    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
+    mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias, nonfinite=nonfinite)
+    return y, mx.data, mx.scales, nonfinite
+
+
+def _nonfinite_flag(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(1, dtype=torch.float32)
 
 
 @linear_quantize_op.register_fake
 def _(x, weight, bias, offsets, heads):
     y = x.new_empty(x.shape[0], heads, weight.shape[0] // heads)
-    return (y, *_empty_feature_mxfp8(y, offsets.shape[0] - 1))
+    return (y, *_empty_feature_mxfp8(y, offsets.shape[0] - 1), _nonfinite_flag(y))
 
 
 def _linear_setup_context(ctx, inputs, output):
     x, weight, bias, _, _ = inputs
-    _, data, scales = output
-    ctx.mark_non_differentiable(data, scales)
+    _, data, scales, nonfinite = output
+    ctx.mark_non_differentiable(data, scales, nonfinite)
     ctx.save_for_backward(x, weight)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _linear_backward(ctx, dy, ddata, dscales):
+def _linear_backward(ctx, dy, ddata, dscales, dnonfinite):
     x, weight = ctx.saved_tensors
     dy = dy.flatten(-2)
     dx = dy @ weight if ctx.needs_input_grad[0] else None
@@ -85,29 +90,30 @@ linear_quantize_op.register_autograd(_linear_backward, setup_context=_linear_set
 @torch.library.custom_op("jagged_attn::rms_norm_quantize", mutates_args=())
 def rms_norm_quantize_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [total, H, D]``, ``weight [D]`` -> (normalized like x, rstd fp32 ``[total, H]``, e4m3 data, e8m0 scales)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [total, H, D]``, ``weight [D]`` -> (normalized like x, rstd fp32 ``[total, H]``, e4m3 data, e8m0 scales,
+    the NaN/Inf flag of the normalized values)."""
     from .kernels.rmsnorm_quantize import rms_norm_quantize
 
-    with value_checks(False):  # the caller checks offsets and results (module docstring)
-        mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps)
-    return normalized, rstd, mx["feature"].data, mx["feature"].scales
+    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
+    mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps, nonfinite=nonfinite)
+    return normalized, rstd, mx["feature"].data, mx["feature"].scales, nonfinite
 
 
 @rms_norm_quantize_op.register_fake
 def _(x, weight, offsets, eps):
     rstd = x.new_empty(x.shape[:2], dtype=torch.float32)
-    return (torch.empty_like(x), rstd, *_empty_feature_mxfp8(x, offsets.shape[0] - 1))
+    return (torch.empty_like(x), rstd, *_empty_feature_mxfp8(x, offsets.shape[0] - 1), _nonfinite_flag(x))
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
     x, weight, _, _ = inputs
-    _, rstd, data, scales = output
-    ctx.mark_non_differentiable(rstd, data, scales)
+    _, rstd, data, scales, nonfinite = output
+    ctx.mark_non_differentiable(rstd, data, scales, nonfinite)
     ctx.save_for_backward(x, weight, rstd)
 
 
-def _rms_norm_backward(ctx, dnormalized, drstd, ddata, dscales):
+def _rms_norm_backward(ctx, dnormalized, drstd, ddata, dscales, dnonfinite):
     x, weight, rstd = ctx.saved_tensors
     if x.is_cuda and weight.dtype == x.dtype:  # torch's fused kernel (CUDA only; one dtype)
         return (*torch.ops.aten._fused_rms_norm_backward(dnormalized, x, [x.shape[-1]], rstd[..., None], weight,

@@ -80,13 +80,15 @@ class JaggedAttention(nn.Module):
 
         offsets_kv = offsets if offsets_kv is None else offsets_kv
         names = ("offsets", "offsets_kv")
-        # The offsets before the producers use them (a wait only the first time a tensor is seen), the
-        # projections' finiteness after, with nothing else to read: one wait per call once offsets are known.
+        # The offsets before the producers use them (a wait only the first time a tensor is seen); after
+        # them the producers' NaN/Inf flags of q and k and v's finiteness, with nothing else to read: one
+        # wait per call once offsets are known.
         check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names)
-        q, q_data, q_scales = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
-        k, k_data, k_scales = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm", self.num_kv_heads)
+        q, q_data, q_scales, q_flag = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
+        k, k_data, k_scales, k_flag = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm",
+                                                                 self.num_kv_heads)
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim)).to(q.dtype)
-        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names, finite=(q, k, v),
+        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names, finite=(q_flag, k_flag, v),
                            finite_names=("q", "k", "v"))
         softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
         out, _ = prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets, offsets_kv,
@@ -94,8 +96,8 @@ class JaggedAttention(nn.Module):
         return out
 
     def _quantized_projection(self, x, offsets, projection, norm_name, heads):
-        """(bf16 ``[total, heads, head_dim]``, its MXFP8 data, scales): the projection, normalized
-        if ``qk_norm``, from the producer kernel that also quantizes it."""
+        """(bf16 ``[total, heads, head_dim]``, its MXFP8 data, scales, NaN/Inf flag): the projection,
+        normalized if ``qk_norm``, from the producer kernel that also quantizes it."""
         from .fused_ops import linear_quantize_op, rms_norm_quantize_op
 
         if not self.qk_norm:
@@ -105,8 +107,8 @@ class JaggedAttention(nn.Module):
         y = projection(x).unflatten(-1, (heads, self.head_dim)).to(torch.bfloat16)
         norm = getattr(self, norm_name)
         eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # what F.rms_norm uses for None
-        normalized, _, data, scales = rms_norm_quantize_op(y, norm.weight, offsets, eps)
-        return normalized, data, scales
+        normalized, _, data, scales, nonfinite = rms_norm_quantize_op(y, norm.weight, offsets, eps)
+        return normalized, data, scales, nonfinite
 
     def _fuses_producers(self, x: torch.Tensor, backend: str) -> bool:
         if self.fused_producers is None:

@@ -275,7 +275,7 @@ def linear_quantize(
     bias: torch.Tensor | None = None,
     rounding: str = "rceil",
     return_high_precision: bool = True,
-    check_finite_values: bool = True,
+    nonfinite: torch.Tensor | None = None,
     config: Config = CONFIGS[0],
 ) -> tuple[MXFP8Jagged, torch.Tensor | None]:
     """Project a jagged batch and quantize the result to MXFP8 in one kernel.
@@ -286,8 +286,9 @@ def linear_quantize(
     ``[heads * D]``. Returns ``(mx, y)``: ``mx`` the feature-axis ``MXFP8Jagged`` ``[total, heads,
     D]`` of ``y``, bit-identical to ``quantize_mxfp8(y, offsets, rounding=rounding)``; ``y`` bf16
     ``[total, heads, D]`` = bf16(fp32 ``x @ weight.T`` + bias), or None unless
-    ``return_high_precision``. Non-finite results raise ``ValueError`` (a device sync) unless
-    ``check_finite_values=False``. ``config``: a tile configuration (``CONFIGS``).
+    ``return_high_precision``. Non-finite results raise ``ValueError`` (a wait for the device), or,
+    given ``nonfinite`` (fp32 ``[1]`` holding 0), are flagged there (NaN/Inf afterwards) for the caller
+    to check with its other checks. ``config``: a tile configuration (``CONFIGS``).
     """
     _check_operands(x, weight, bias)
     total, dim = x.shape[0], _check_head_dim(weight.shape[0], heads)
@@ -302,10 +303,10 @@ def linear_quantize(
         heads, tiled_bytes(*scale_matrix_shape("feature", total, batch, dim)), dtype=torch.uint8, device=x.device
     )
     y = torch.empty(total, heads, dim, dtype=torch.bfloat16, device=x.device) if return_high_precision else None
-    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
-    launch(x, weight, bias, y, data, scales, offsets, nonfinite, dim, rounding, config)
-    if check_finite_values:
-        check_finite(nonfinite, "x @ weight.T + bias")
+    flag = torch.zeros(1, dtype=torch.float32, device=x.device) if nonfinite is None else nonfinite
+    launch(x, weight, bias, y, data, scales, offsets, flag, dim, rounding, config)
+    if nonfinite is None:
+        check_finite(flag, "x @ weight.T + bias")
     mx = MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, "feature", rounding)
     return mx, y
 

@@ -138,6 +138,7 @@ def rms_norm_quantize(
     axes=("feature",),
     rounding: str = "rceil",
     return_normalized: bool = True,
+    nonfinite: torch.Tensor | None = None,
 ) -> tuple[dict[str, MXFP8Jagged], torch.Tensor | None, torch.Tensor]:
     """RMSNorm over the last dim of jagged ``x`` fused with its MXFP8 quantization, in one read of ``x``.
 
@@ -148,13 +149,15 @@ def rms_norm_quantize(
         axes: non-empty subset of ``("feature", "sequence")``; all are written from the same read.
         rounding: ``"rceil"`` or ``"floor"`` (``mx_format``'s scale rule).
         return_normalized: also write the normalized values.
+        nonfinite: None (NaN/Inf in the normalized values raise ValueError, a wait for the device), or
+            an fp32 ``[1]`` tensor holding 0 into which they are flagged instead, for the caller to check.
 
     Returns ``(mx, normalized, rstd)``: ``mx`` maps each axis to an ``MXFP8Jagged`` equal, bit for
     bit, to ``quantize_mxfp8(normalized, offsets, axis=axis, rounding=rounding)``; ``normalized`` in
     ``x``'s dtype ``[total, H, D]`` (None unless ``return_normalized``); ``rstd`` fp32 ``[total, H]``.
     See the module docstring for the exact rounding. Runs the Triton kernel: CUDA tensors, or any
     tensors in the interpreter (``TRITON_INTERPRET=1``). Raises ValueError/TypeError on bad input before any work, and
-    ValueError afterwards if the normalized values hold NaN or Inf (as ``quantize_mxfp8`` does).
+    (without ``nonfinite``) ValueError afterwards if the normalized values hold NaN or Inf (as ``quantize_mxfp8`` does).
     """
     quantize.check_axes(axes)
     mx_format.check_rounding(rounding)
@@ -163,10 +166,11 @@ def rms_norm_quantize(
     outputs = {axis: quantize.empty_outputs(x, offsets, axis) for axis in axes}
     normalized = torch.empty_like(x) if return_normalized else None
     rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
-    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
+    flag = torch.zeros(1, dtype=torch.float32, device=x.device) if nonfinite is None else nonfinite
     rms_norm_quantize_into(x, weight, offsets, outputs, normalized, rstd, eps=float(eps), rounding=rounding,
-                           nonfinite=nonfinite)
-    check_finite(nonfinite, "normalized x")
+                           nonfinite=flag)
+    if nonfinite is None:
+        check_finite(flag, "normalized x")
     mx = {
         axis: MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
         for axis, (data, scales) in outputs.items()

@@ -307,7 +307,7 @@ def test_producer_ops_gradients_and_registration(device):
     x = torch.randn(43, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(2 * 64, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
     bias = torch.randn(2 * 64, device=device, requires_grad=True)
-    y, _, _ = fused_ops.linear_quantize_op(x, weight, bias, offsets, 2)
+    y, _, _, _ = fused_ops.linear_quantize_op(x, weight, bias, offsets, 2)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
@@ -317,7 +317,7 @@ def test_producer_ops_gradients_and_registration(device):
 
     h = (torch.randn(43, 2, 64, device=device) * 3).requires_grad_(True)
     gain = (torch.randn(64, device=device) * 0.5 + 1).requires_grad_(True)
-    normalized, _, _, _ = fused_ops.rms_norm_quantize_op(h, gain, offsets, 1e-6)
+    normalized, _, _, _, _ = fused_ops.rms_norm_quantize_op(h, gain, offsets, 1e-6)
     ref = torch.nn.functional.rms_norm(h.double(), (64,), gain.double(), 1e-6)
     assert relative_l2(normalized, ref) < 1e-6
     dn = torch.randn_like(normalized)
@@ -433,10 +433,10 @@ def test_gpu_producer_mxfp8_gives_bit_identical_attention(backend):
     offsets_k = offsets_from_lengths(torch.tensor(GPU_LENGTHS[::-1])).to(device)
     x = torch.randn(int(offsets_q[-1]), 256, device=device, dtype=torch.bfloat16)
     weight = torch.randn(8 * 128, 256, device=device, dtype=torch.bfloat16) / 16
-    q, q_data, q_scales = fused_ops.linear_quantize_op(x, weight, None, offsets_q, 8)
+    q, q_data, q_scales, _ = fused_ops.linear_quantize_op(x, weight, None, offsets_q, 8)
     pre_norm = torch.randn(int(offsets_k[-1]), 2, 128, device=device, dtype=torch.bfloat16)
     gain = torch.rand(128, device=device) + 0.5
-    k, _, k_data, k_scales = fused_ops.rms_norm_quantize_op(pre_norm, gain, offsets_k, 1e-6)
+    k, _, k_data, k_scales, _ = fused_ops.rms_norm_quantize_op(pre_norm, gain, offsets_k, 1e-6)
     v = torch.randn_like(k)
     common = (offsets_q, offsets_k, True, 128**-0.5, backend, False)
     out, lse = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, *common)

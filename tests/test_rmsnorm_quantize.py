@@ -188,6 +188,9 @@ def test_nonfinite_input_raises(bad):
     x[int(torch.randint(0, 140, ())), 1, 5] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
         rq.rms_norm_quantize(x, weight, offsets)
+    flag = torch.zeros(1)
+    rq.rms_norm_quantize(x, weight, offsets, nonfinite=flag)  # flagged for the caller, no raise
+    assert not bool(torch.isfinite(flag).all())
 
 
 @pytest.mark.parametrize(
