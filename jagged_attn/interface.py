@@ -8,7 +8,7 @@ import torch
 
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
-from .mxfp8 import MXFP8Jagged, check_values, finite_flag, nonfinite_error
+from .mxfp8 import MXFP8Jagged, check_values, max_magnitude, nonfinite_error
 from .offsets import check_offsets_type, known_valid, offsets_facts, skip_value_check, validate_offsets
 
 
@@ -49,14 +49,16 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("o
             validate_offsets(offsets, rows, name)
     else:
         unknown = [pair for pair in pairs if not known_valid(pair[0], pair[1])]
-        parts = [offsets_facts(offsets) for offsets, _, _ in unknown]
-        parts += [finite_flag(x).to(torch.int64).reshape(1) for x in finite]
-        facts = torch.cat([p.to(offsets_q.device) for p in parts]).tolist() if parts else []  # the one wait
-        for name, is_finite in zip(finite_names, facts[3 * len(unknown):]):
-            if not is_finite:
+        # float64 holds the offsets exactly (below 2^53) and the magnitudes' NaN/Inf: one tensor, one read
+        parts = [offsets_facts(offsets).to(offsets_q.device) for offsets, _, _ in unknown]
+        if finite:
+            parts.append(torch.stack([max_magnitude(x).to(torch.float64) for x in finite]).to(offsets_q.device))
+        facts = torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []  # the one wait
+        for name, magnitude in zip(finite_names, facts[3 * len(unknown):]):
+            if not math.isfinite(magnitude):
                 raise nonfinite_error(name)
         for i, (offsets, rows, name) in enumerate(unknown):
-            validate_offsets(offsets, rows, name, facts[3 * i:3 * i + 3])
+            validate_offsets(offsets, rows, name, [int(f) for f in facts[3 * i:3 * i + 3]])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")

@@ -27,6 +27,15 @@ def padded_seq_start(offset_b, b):
     return (offset_b // 128 + b) * 128
 
 
+def padded_tile(offset_b, b, block):
+    """The same placement in ``block``-row tiles: index of sequence ``b``'s first tile when every
+    sequence starts a fresh tile and has one more than its data needs (ints, tensors, Triton).
+    Sequence ``b`` owns tiles ``[padded_tile(offsets[b], b, block), padded_tile(offsets[b + 1], b + 1,
+    block))``, its data in the first ``ceil(L_b / block)``; a batch of ``total`` rows has
+    ``padded_tile(total, batch, block)`` tiles, known without reading the offsets."""
+    return offset_b // block + b
+
+
 def padded_total(total: int, batch: int) -> int:
     """Rows of a padded buffer that holds ``batch`` sequences of ``total`` tokens in all."""
     return (total // TILE_ROWS + batch) * TILE_ROWS

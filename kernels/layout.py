@@ -16,6 +16,7 @@ from triton.experimental.gluon import language as gl
 from jagged_attn import mx_format, offsets, scale_layout
 
 padded_seq_start = triton.jit(offsets.padded_seq_start)
+padded_tile = triton.jit(offsets.padded_tile)
 # Constants of the attention math every kernel shares (``gl.constexpr`` is the same type).
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 LN2 = tl.constexpr(math.log(2.0))
@@ -132,15 +133,27 @@ def sequence_span(offsets, seq):
 
 
 @triton.jit
-def padded_rows_of(rows, offsets, batch, search_steps):
-    """Padded row (``offsets.padded_seq_start`` placement) of each token row in ``rows`` (< total), for
-    kernels whose tiles ignore sequence boundaries: its sequence ``b`` is the last with
-    ``offsets[b] <= row``, found in ``search_steps = batch.bit_length()`` halving steps."""
-    seq = tl.zeros_like(rows)
+def owning_sequence(index, offsets, batch, search_steps, block, PADDED_TILES: tl.constexpr):
+    """The sequence that owns each ``index``: of a token row (< total), the last ``b`` with
+    ``offsets[b] <= index``; with ``PADDED_TILES``, of a tile in the ``offsets.padded_tile`` placement
+    of ``block``-row tiles, the last ``b`` with ``padded_tile(offsets[b], b, block) <= index``. Found
+    in ``search_steps = batch.bit_length()`` halving steps."""
+    seq = tl.zeros_like(index)
     for i in range(search_steps):
         probe = seq + (1 << (search_steps - 1 - i))
-        below = probe < batch  # offsets[batch] = total exceeds every row: never the answer
-        seq = tl.where(below & (tl.load(offsets + probe, mask=below, other=0) <= rows), probe, seq)
+        below = probe < batch  # sequence ``batch`` starts past every index: never the answer
+        first = tl.load(offsets + probe, mask=below, other=0)
+        if PADDED_TILES:
+            first = padded_tile(first, probe, block)
+        seq = tl.where(below & (first <= index), probe, seq)
+    return seq
+
+
+@triton.jit
+def padded_rows_of(rows, offsets, batch, search_steps):
+    """Padded row (``offsets.padded_seq_start`` placement) of each token row in ``rows`` (< total), for
+    kernels whose tiles ignore sequence boundaries (``search_steps = batch.bit_length()``)."""
+    seq = owning_sequence(rows, offsets, batch, search_steps, 1, False)
     start = tl.load(offsets + seq).to(tl.int64)
     return padded_seq_start(start, seq) + rows - start
 

@@ -1,71 +1,102 @@
-"""Longest-first work lists for ragged attention kernels.
+"""Work lists for ragged attention kernels, built on the device without waiting for it.
 
 A kernel that tiles one side of attention (query rows in the forward, key rows in a KV-tile
-backward) into ``block`` rows runs one program per (tile, head). Every tile of every sequence
-gets a slot in an int32 ``[slots, 2]`` table of (sequence, tile index) rows, ordered by the
-number of columns the tile visits, most first: the GPU hands programs out in launch order, so
-the long tiles start first and the short ones fill the gaps (longest-processing-time-first).
+backward) into ``block`` rows runs one program per (slot, head) of an int32 ``[slots, 2]`` table
+of (sequence, tile index) rows; a slot holding ``EMPTY_SLOT`` in both columns has no work.
 
-The slot count is the bound ``rows_total // block + batch``, known without reading the offsets
-on the host, so building the table never synchronizes; unused slots hold sequence -1 and sit at
-the end. Extra memory: 8 bytes per slot.
+:func:`tile_list` lays the slots out as ``offsets.padded_tile`` places tiles (sequence ``b``'s tiles
+in order from ``padded_tile(offsets[b], b, block)``, then its spare slot, empty), so the slot count
+is known on the host without reading the offsets; a slot finds its sequence by binary search.
+:func:`work_list` orders the same slots by the number of columns each tile visits, most first: the
+GPU hands programs out in launch order, so the long tiles start first and the short ones fill the
+gaps (longest-processing-time-first); empty slots sit at the end. Either costs one kernel launch
+(plus a sort for the work list): a training step builds six tables, and launching a few dozen small
+torch ops per table left the GPU idle while the host worked (docs/PERF.md v16). Extra memory: 8
+bytes per slot.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from jagged_attn.offsets import lengths_of
+from jagged_attn.offsets import padded_tile
 from jagged_attn.scale_layout import TILE_ROWS
 
+from . import layout
+
 EMPTY_SLOT = -1
+_EMPTY = tl.constexpr(EMPTY_SLOT)
 SLOT_TOKENS = TILE_ROWS  # tokens of one padded slot: ``offsets.padded_seq_start`` aligns every sequence to it
+SLOTS_PER_PROGRAM = 1024
 
 
 def tile_slots(total_rows: int, batch: int, block: int) -> int:
-    """Upper bound on ``sum_b ceil(L_b / block)`` for ``batch`` sequences of ``total_rows`` rows."""
-    return total_rows // block + batch
+    """Slots of a table of ``block``-row tiles for ``batch`` sequences of ``total_rows`` rows."""
+    return padded_tile(total_rows, batch, block)
 
 
-def visible_columns(tile_start, tile_rows, len_rows, len_cols, causal: bool, rows_are_queries: bool):
+@triton.jit
+def _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr):
     """Columns that the most-seeing row of a tile visits (bottom-right causal alignment).
 
     Query ``i`` sees keys ``j <= i + len_k - len_q``. For query tiles the last row sees the most
-    keys; for key tiles (``rows_are_queries=False``) the first key is seen by the most queries.
+    keys; for key tiles (``ROWS_ARE_QUERIES`` False) the first key is seen by the most queries.
     """
-    if not causal:
-        return len_cols
-    if rows_are_queries:
+    if not CAUSAL:
+        seen = len_cols + tl.zeros_like(tile_start)
+    elif ROWS_ARE_QUERIES:
         last_row = tile_start + tile_rows - 1
-        return (last_row + 1 + len_cols - len_rows).clamp(0).minimum(len_cols)
-    first_key = tile_start
-    return (len_cols - (first_key - (len_rows - len_cols)).clamp(0)).clamp(0)
+        seen = tl.minimum(tl.maximum(last_row + 1 + len_cols - len_rows, 0), len_cols)
+    else:
+        seen = tl.maximum(len_cols - tl.maximum(tile_start - (len_rows - len_cols), 0), 0)
+    return seen
 
 
-def _row_tiles(offsets_rows: torch.Tensor, total_rows: int, block: int):
-    """(sequence, tile, used) of every slot: slot ``s`` is tile ``tile`` of sequence ``sequence``
-    (in sequence order) where ``used``; the slots past the last tile have ``used`` False."""
+@triton.jit
+def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, slots, batch, search_steps, block,
+                       CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr, WITH_COSTS: tl.constexpr,
+                       SLOTS_PER_PROGRAM: tl.constexpr):
+    """``table[slot]`` = (sequence, tile) of a batch's slots, ``EMPTY_SLOT`` in each sequence's spare
+    one; with ``WITH_COSTS``, ``costs[slot]`` = the tile's visible columns (-1 for an empty slot)."""
+    slot = tl.program_id(0) * SLOTS_PER_PROGRAM + tl.arange(0, SLOTS_PER_PROGRAM)
+    inside = slot < slots
+    seq = layout.owning_sequence(slot, offsets_rows, batch, search_steps, block, True)
+    start, len_rows = layout.sequence_span(offsets_rows, seq)
+    tile = (slot - layout.padded_tile(start, seq, block)).to(tl.int32)
+    used = tile * block < len_rows
+    tl.store(table + 2 * slot, tl.where(used, seq, _EMPTY), mask=inside)
+    tl.store(table + 2 * slot + 1, tl.where(used, tile, _EMPTY), mask=inside)
+    if WITH_COSTS:
+        len_cols = layout.sequence_span(offsets_cols, seq)[1]
+        tile_start = tile * block
+        tile_rows = tl.minimum(len_rows - tile_start, block)
+        cost = _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL, ROWS_ARE_QUERIES)
+        tl.store(costs + slot, tl.where(used, cost, -1), mask=inside)
+
+
+def _slot_table(offsets_rows, offsets_cols, total_rows: int, block: int, causal: bool, rows_are_queries: bool,
+                with_costs: bool):
+    """(int32 ``[slots, 2]`` table in padded-tile order, int32 ``[slots]`` costs or None)."""
     batch = offsets_rows.numel() - 1
-    tiles_per_seq = (lengths_of(offsets_rows).to(torch.int64) + block - 1) // block
-    tile_end = torch.cumsum(tiles_per_seq, 0)
-    slot = torch.arange(tile_slots(total_rows, batch, block), device=offsets_rows.device, dtype=torch.int64)
-    seq = torch.searchsorted(tile_end, slot, right=True)
-    used = seq < batch
-    seq = seq.clamp(max=batch - 1)
-    return seq, slot - (tile_end[seq] - tiles_per_seq[seq]), used
-
-
-def _table(seq, tile, used) -> torch.Tensor:
-    return torch.stack([torch.where(used, seq, EMPTY_SLOT), torch.where(used, tile, EMPTY_SLOT)], dim=1)
+    slots = tile_slots(total_rows, batch, block)
+    device = offsets_rows.device
+    table = torch.empty(slots, 2, dtype=torch.int32, device=device)
+    costs = torch.empty(slots, dtype=torch.int32, device=device) if with_costs else None
+    if slots:
+        _slot_table_kernel[(triton.cdiv(slots, SLOTS_PER_PROGRAM),)](
+            offsets_rows, offsets_cols, table, costs, slots, batch, batch.bit_length(), block,
+            CAUSAL=causal, ROWS_ARE_QUERIES=rows_are_queries, WITH_COSTS=with_costs,
+            SLOTS_PER_PROGRAM=SLOTS_PER_PROGRAM,
+        )
+    return table, costs
 
 
 def tile_list(offsets_rows: torch.Tensor, total_rows: int, block: int) -> torch.Tensor:
-    """int32 ``[slots, 2]``: (sequence, tile) of every ``block``-row tile in sequence order, unused
-    slots ``(-1, -1)`` at the end: for passes whose tiles all cost the same (no sort)."""
-    if offsets_rows.numel() == 1:
-        return torch.full((tile_slots(total_rows, 0, block), 2), EMPTY_SLOT, dtype=torch.int32,
-                          device=offsets_rows.device)
-    return _table(*_row_tiles(offsets_rows, total_rows, block)).to(torch.int32)
+    """int32 ``[slots, 2]``: (sequence, tile) of every ``block``-row tile, in sequence order with
+    each sequence's spare slot empty: for passes whose tiles all cost the same (no sort)."""
+    return _slot_table(offsets_rows, None, total_rows, block, False, True, with_costs=False)[0]
 
 
 def slot_tiles(offsets_rows: torch.Tensor, total_rows: int) -> torch.Tensor:
@@ -87,18 +118,10 @@ def work_list(
 
     ``offsets_rows`` are the offsets of the tiled side (``total_rows`` rows in all: the values'
     first dimension, so no host read is needed), ``offsets_cols`` those of the other side
-    (same batch). A tile's cost is ``visible_columns`` of its most-seeing row; ties keep sequence
-    order. Tiles that see no column still get a slot (their rows must be written); unused slots
-    are ``(-1, -1)`` at the end.
+    (same batch). A tile's cost is the number of columns its most-seeing row visits; ties keep
+    sequence order. Tiles that see no column still get a slot (their rows must be written); empty
+    slots are ``(-1, -1)`` at the end.
     """
-    if offsets_rows.numel() == 1:
-        return tile_list(offsets_rows, total_rows, block)
-    seq, tile, used = _row_tiles(offsets_rows, total_rows, block)
-    len_rows = lengths_of(offsets_rows).to(torch.int64)[seq]
-    len_cols = lengths_of(offsets_cols).to(torch.int64)[seq]
-    tile_start = tile * block
-    tile_rows = (len_rows - tile_start).clamp(max=block)
-    cost = visible_columns(tile_start, tile_rows, len_rows, len_cols, causal, rows_are_queries)
-    cost = torch.where(used, cost, torch.full_like(cost, -1))
-    order = torch.argsort(cost, descending=True, stable=True)
-    return _table(seq, tile, used)[order].to(torch.int32)
+    table, costs = _slot_table(offsets_rows, offsets_cols, total_rows, block, causal, rows_are_queries,
+                               with_costs=True)
+    return table[torch.argsort(costs, descending=True, stable=True)]

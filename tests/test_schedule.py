@@ -1,10 +1,11 @@
-"""The longest-first work list: every row tile exactly once, costs non-increasing, no host sync."""
+"""The work tables: every row tile exactly once (the tile list in padded-tile order, the work list
+longest first), built on the device without a host sync."""
 
 import pytest
 import torch
 
-from jagged_attn.kernels.schedule import EMPTY_SLOT, tile_slots, work_list
-from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.kernels.schedule import EMPTY_SLOT, tile_list, tile_slots, work_list
+from jagged_attn.offsets import offsets_from_lengths, padded_tile
 from jagged_attn.reference import visible_mask
 
 
@@ -61,3 +62,20 @@ def test_work_list_hundred_thousand_sequences():
     used = table[:, 0] != EMPTY_SLOT
     assert int(used.sum()) == int((lengths > 0).sum())
     assert bool((lengths[table[used, 0].long()] > 0).all()) and bool((table[used, 1] == 0).all())
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_tile_list_places_each_sequence_at_its_padded_tile(block):
+    lengths = torch.randint(0, 400, (17,))
+    lengths[[0, 4, 9]] = torch.tensor([0, block, block + 1])
+    lengths[16] = 0
+    offsets = offsets_from_lengths(lengths).to(torch.int32)
+    total = int(lengths.sum())
+    table = tile_list(offsets, total, block)
+    assert table.dtype == torch.int32 and table.shape == (tile_slots(total, 17, block), 2)
+    expected = torch.full_like(table, EMPTY_SLOT)
+    for b, length in enumerate(lengths.tolist()):
+        first = padded_tile(int(offsets[b]), b, block)
+        for t in range(-(-length // block)):
+            expected[first + t] = torch.tensor([b, t])
+    assert torch.equal(table, expected)
