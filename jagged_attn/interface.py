@@ -9,7 +9,8 @@ import torch
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_values, max_magnitude, nonfinite_error
-from .offsets import check_offsets_type, known_valid, offsets_facts, skip_value_check, validate_offsets
+from .offsets import (check_offsets_type, known_valid, offsets_facts, skip_value_check, validate_offsets,
+                      value_checks)
 
 
 V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantization axis of V
@@ -34,34 +35,64 @@ def _unpack(x, offsets, name):
     return x, offsets, None
 
 
+def _raise_if_nonfinite(names, magnitudes) -> None:
+    for name, magnitude in zip(names, magnitudes):
+        if not math.isfinite(magnitude):
+            raise nonfinite_error(name)
+
+
+def _finiteness_in_flight(finite, finite_names):
+    """Queue the largest magnitude of each tensor of ``finite`` for a copy to the host (pinned memory,
+    no wait) and return ``finish``, which waits for that copy alone and raises the NaN/Inf error."""
+    magnitudes = torch.stack([max_magnitude(x).to(torch.float64) for x in finite])
+    if magnitudes.device.type != "cuda":
+        return lambda: _raise_if_nonfinite(finite_names, magnitudes.tolist())
+    host = magnitudes.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def finish():
+        copied.synchronize()
+        _raise_if_nonfinite(finite_names, host.tolist())
+
+    return finish
+
+
 def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("offsets_q", "offsets_k"),
                        finite=(), finite_names=()):
     """Both offsets valid for their rows and of one batch size (``ValueError`` naming them otherwise),
-    and each tensor of ``finite`` all finite (named by ``finite_names``), read from the device in one
-    wait: the host then runs ahead of the kernels that follow (each wait left the GPU idle while the
-    host launched the next ones: making nine waits one took an H200's training step from 30.98 to 28.76 ms,
-    docs/PERF.md v15)."""
+    and each tensor of ``finite`` all finite (named by ``finite_names``). Returns ``finish``: call it
+    once the kernels that read these tensors are queued; it raises the NaN/Inf error, if any.
+
+    Offsets not yet known valid are read before anything else runs (kernels given bad offsets could
+    read and write out of bounds), together with the NaN/Inf check: one wait. Once both are known
+    (a model's later layers, the same batch again), the NaN/Inf check goes to the host in a copy
+    queued behind its reductions, and ``finish`` waits for that copy only, not for the kernels queued
+    after it: a wait drains the GPU's queue, which then idles while the host launches what follows
+    (nine waits made one took an H200's training step from 30.98 to 28.76 ms, docs/PERF.md v15; the
+    one wait still cost about 1 ms per step on four of five workloads, v16)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:
         check_offsets_type(offsets, name)
+    finish = lambda: None  # noqa: E731
     if any(skip_value_check(t) for t in (offsets_q, offsets_k, *finite)):
         for offsets, rows, name in pairs:  # each checks what it can read
             validate_offsets(offsets, rows, name)
+    elif not (unknown := [pair for pair in pairs if not known_valid(pair[0], pair[1])]):
+        finish = _finiteness_in_flight(finite, finite_names) if finite else finish
     else:
-        unknown = [pair for pair in pairs if not known_valid(pair[0], pair[1])]
         # float64 holds the offsets exactly (below 2^53) and the magnitudes' NaN/Inf: one tensor, one read
         parts = [offsets_facts(offsets).to(offsets_q.device) for offsets, _, _ in unknown]
         if finite:
             parts.append(torch.stack([max_magnitude(x).to(torch.float64) for x in finite]).to(offsets_q.device))
-        facts = torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []  # the one wait
-        for name, magnitude in zip(finite_names, facts[3 * len(unknown):]):
-            if not math.isfinite(magnitude):
-                raise nonfinite_error(name)
+        facts = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # the one wait
+        _raise_if_nonfinite(finite_names, facts[3 * len(unknown):])
         for i, (offsets, rows, name) in enumerate(unknown):
             validate_offsets(offsets, rows, name, [int(f) for f in facts[3 * i:3 * i + 3]])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
+    return finish
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -171,8 +202,9 @@ def jagged_attention(
         check_offsets_type(off, name)
         if off.device != device:
             raise ValueError(f"{name} is on {off.device} but q is on {device}")
-    check_offsets_pair(offsets_q, data[0].shape[0], offsets_k, data[1].shape[0],
-                       finite=() if quantized else data, finite_names=() if quantized else ("q", "k", "v"))
+    finish_checks = check_offsets_pair(offsets_q, data[0].shape[0], offsets_k, data[1].shape[0],
+                                       finite=() if quantized else data,
+                                       finite_names=() if quantized else ("q", "k", "v"))
     softmax_scale = resolve_softmax_scale(softmax_scale, data[0].shape[2])
     name = auto_backend_name(device) if backend == "auto" else backend
     check_kernel_device(name, device)
@@ -185,11 +217,14 @@ def jagged_attention(
     if quantized:
         if not (_same_offsets(q.offsets, offsets_q) and _same_offsets(k.offsets, offsets_k)):
             raise ValueError("offsets passed explicitly differ from the MXFP8Jagged inputs' offsets")
-        out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q, offsets_k,
-                                          bool(causal), softmax_scale, name, v_axis)
-    else:
-        out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k, bool(causal),
-                                    softmax_scale, name, bool(deterministic), v_axis)
+    with value_checks(False):  # all checked above, NaN/Inf by finish_checks (the backend's would name them wrong)
+        if quantized:
+            out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q,
+                                              offsets_k, bool(causal), softmax_scale, name, v_axis)
+        else:
+            out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k,
+                                        bool(causal), softmax_scale, name, bool(deterministic), v_axis)
+    finish_checks()
     if nested_layout is not None:
         out = pack_attention_nested(out, offsets_q, nested_layout)
     return (out, lse) if return_lse else out

@@ -81,18 +81,19 @@ class JaggedAttention(nn.Module):
         offsets_kv = offsets if offsets_kv is None else offsets_kv
         names = ("offsets", "offsets_kv")
         # The offsets before the producers use them (a wait only the first time a tensor is seen); after
-        # them the producers' NaN/Inf flags of q and k and v's finiteness, with nothing else to read: one
-        # wait per call once offsets are known.
+        # them the producers' NaN/Inf flags of q and k and v's finiteness, copied to the host behind
+        # the producers and read once the attention is queued.
         check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names)
         q, q_data, q_scales, q_flag = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
         k, k_data, k_scales, k_flag = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm",
                                                                  self.num_kv_heads)
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim)).to(q.dtype)
-        check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names, finite=(q_flag, k_flag, v),
-                           finite_names=("q", "k", "v"))
+        finish_checks = check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], names=names,
+                                           finite=(q_flag, k_flag, v), finite_names=("q", "k", "v"))
         softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
         out, _ = prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets, offsets_kv,
                                            self.causal, softmax_scale, backend, False)
+        finish_checks()
         return out
 
     def _quantized_projection(self, x, offsets, projection, norm_name, heads):

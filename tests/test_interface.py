@@ -294,6 +294,22 @@ def test_gpu_training_step_waits_for_the_device_once(checks, waits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_gpu_nonfinite_input_raises_once_offsets_are_known(name):
+    """Once its offsets are known valid, a call sends the NaN/Inf check to the host in a copy queued
+    behind the reductions and reads it after queuing its kernels; it still raises, naming the tensor."""
+    q, k, v, oq, ok = (x.cuda() for x in _inputs(lengths_q=(3, 130), lengths_k=(40, 7), hq=2, hkv=1, dim=64,
+                                                 dtype=torch.bfloat16))
+    inputs = {"q": q, "k": k, "v": v}
+    ja.jagged_attention(q, k, v, oq, ok, backend="triton")  # the offsets become known valid
+    bad = inputs[name].clone()
+    bad[int(torch.randint(bad.shape[0], ()))] = float("nan") if torch.rand(()) < 0.5 else float("inf")
+    inputs[name] = bad
+    with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
+        ja.jagged_attention(*inputs.values(), oq, ok, backend="triton")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
 def test_gpu_large_batches(batch, longest, heads, dim):
     """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
