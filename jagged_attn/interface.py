@@ -65,34 +65,27 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("o
     once the kernels that read these tensors are queued; it raises the NaN/Inf error, if any.
 
     Offsets not yet known valid are read before anything else runs (kernels given bad offsets could
-    read and write out of bounds), together with the NaN/Inf check: one wait. Once both are known
-    (a model's later layers, the same batch again), the NaN/Inf check goes to the host in a copy
-    queued behind its reductions, and ``finish`` waits for that copy only, not for the kernels queued
-    after it: a wait drains the GPU's queue, which then idles while the host launches what follows
-    (nine waits made one took an H200's training step from 30.98 to 28.76 ms, docs/PERF.md v15; the
-    one wait still cost about 1 ms per step on four of five workloads, v16)."""
+    read and write out of bounds): the call's one wait. NaN/Inf cannot do that, so that check goes to
+    the host in a copy queued behind its reductions, and ``finish`` waits for that copy only, not for
+    the kernels queued after it: a wait drains the GPU's queue, which then idles while the host
+    launches what follows (nine waits made one took an H200's training step from 30.98 to 28.76 ms,
+    docs/PERF.md v15; with offsets known, reading NaN/Inf after the kernels are queued took 0.3-0.7 ms
+    more off, v16)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:
         check_offsets_type(offsets, name)
-    finish = lambda: None  # noqa: E731
     if any(skip_value_check(t) for t in (offsets_q, offsets_k, *finite)):
         for offsets, rows, name in pairs:  # each checks what it can read
             validate_offsets(offsets, rows, name)
-    elif not (unknown := [pair for pair in pairs if not known_valid(pair[0], pair[1])]):
-        finish = _finiteness_in_flight(finite, finite_names) if finite else finish
-    else:
-        # float64 holds the offsets exactly (below 2^53) and the magnitudes' NaN/Inf: one tensor, one read
-        parts = [offsets_facts(offsets).to(offsets_q.device) for offsets, _, _ in unknown]
-        if finite:
-            parts.append(torch.stack([max_magnitude(x).to(torch.float64) for x in finite]).to(offsets_q.device))
-        facts = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # the one wait
-        _raise_if_nonfinite(finite_names, facts[3 * len(unknown):])
+        finite = ()
+    elif unknown := [pair for pair in pairs if not known_valid(pair[0], pair[1])]:
+        facts = torch.cat([offsets_facts(offsets).to(offsets_q.device) for offsets, _, _ in unknown]).tolist()  # wait
         for i, (offsets, rows, name) in enumerate(unknown):
-            validate_offsets(offsets, rows, name, [int(f) for f in facts[3 * i:3 * i + 3]])
+            validate_offsets(offsets, rows, name, facts[3 * i:3 * i + 3])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
-    return finish
+    return _finiteness_in_flight(finite, finite_names) if finite else (lambda: None)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:

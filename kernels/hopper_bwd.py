@@ -77,11 +77,12 @@ from .layout import (
 from .schedule import SLOT_TOKENS, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
-# Warps of the producer's two passes: four each (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms against
-# eight each, docs/PERF.md v9), and of the dQ finish pass. Both passes take their 128-token slot in chunks
-# of PRODUCER_CHUNK tokens (a power of two from 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms
-# against whole slots; 32 and 16, though lighter on registers, 0.488 and 0.858 (docs/PERF.md v14).
-AMAX_WARPS = 4
+# Warps of the producer's two passes (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms with four each
+# against eight, docs/PERF.md v9; the amax pass then 0.101 -> 0.080 ms with two, ads K 0.465 -> 0.351, v16),
+# and of the dQ finish pass. Both passes take their 128-token slot in chunks of PRODUCER_CHUNK tokens (a
+# power of two from 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms against whole slots; 32
+# and 16, though lighter on registers, 0.488 and 0.858 (docs/PERF.md v14).
+AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
 PRODUCER_CHUNK = 64
 FINISH_DQ_WARPS = 8
