@@ -69,7 +69,7 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("o
     the host in a copy queued behind its reductions, and ``finish`` waits for that copy only, not for
     the kernels queued after it: a wait drains the GPU's queue, which then idles while the host
     launches what follows (nine waits made one took an H200's training step from 30.98 to 28.76 ms,
-    docs/PERF.md v15; with offsets known, reading NaN/Inf after the kernels are queued took 0.3-0.7 ms
+    docs/PERF.md v15; with offsets known, reading NaN/Inf after the kernels are queued took 0.25-0.68 ms
     more off, v16)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:

@@ -1,8 +1,8 @@
 """The work tables: every row tile exactly once (the tile list in padded-tile order, the work list
 longest first), built on the device without a host sync."""
 
-import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from jagged_attn.kernels.schedule import EMPTY_SLOT, tile_list, tile_slots, work_list
 from jagged_attn.offsets import offsets_from_lengths, padded_tile
@@ -21,29 +21,31 @@ def _expected_tiles(len_rows, len_cols, block, causal, rows_are_queries):
     return tiles
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("rows_are_queries", [True, False])
-def test_work_list_covers_every_tile_longest_first(causal, rows_are_queries):
-    batch = 12
-    len_rows = torch.randint(0, 300, (batch,))
-    len_cols = torch.randint(0, 300, (batch,))
-    len_rows[[0, 5]] = torch.tensor([0, 129])
-    len_cols[3] = 0
-    block = 64
-    offsets_rows, offsets_cols = offsets_from_lengths(len_rows), offsets_from_lengths(len_cols)
-    total = int(len_rows.sum())
+EDGE_LENGTHS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 700]
+lengths_strategy = st.lists(st.sampled_from(EDGE_LENGTHS), min_size=1, max_size=10)
+
+
+@settings(deadline=None, max_examples=40)
+@given(len_rows=lengths_strategy, len_cols=lengths_strategy, block=st.sampled_from([64, 128]),
+       causal=st.booleans(), rows_are_queries=st.booleans(), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_work_list_covers_every_tile_longest_first(len_rows, len_cols, block, causal, rows_are_queries, dtype):
+    batch = min(len(len_rows), len(len_cols))
+    len_rows, len_cols = len_rows[:batch], len_cols[:batch]
+    offsets_rows = offsets_from_lengths(torch.tensor(len_rows)).to(dtype)
+    offsets_cols = offsets_from_lengths(torch.tensor(len_cols)).to(dtype)
+    total = sum(len_rows)
     table = work_list(offsets_rows, offsets_cols, total, block, causal=causal, rows_are_queries=rows_are_queries)
     assert table.dtype == torch.int32 and table.shape == (tile_slots(total, batch, block), 2)
 
-    expected = _expected_tiles(len_rows.tolist(), len_cols.tolist(), block, causal, rows_are_queries)
+    expected = _expected_tiles(len_rows, len_cols, block, causal, rows_are_queries)
     used = table[:, 0] != EMPTY_SLOT
     assert int(used.sum()) == len(expected)
     assert bool(used[: len(expected)].all()), "unused slots must come last"
     assert bool((table[~used] == EMPTY_SLOT).all())
     listed = [tuple(row) for row in table[used].tolist()]
     assert sorted(listed) == sorted(expected)
-    costs = [expected[item] for item in listed]
-    assert costs == sorted(costs, reverse=True)
+    ranked = [(-expected[item], item) for item in listed]
+    assert ranked == sorted(ranked), "most visible columns first, ties in sequence order"
 
 
 def test_work_list_empty_batch_and_all_empty_sequences():
@@ -64,17 +66,15 @@ def test_work_list_hundred_thousand_sequences():
     assert bool((lengths[table[used, 0].long()] > 0).all()) and bool((table[used, 1] == 0).all())
 
 
-@pytest.mark.parametrize("block", [64, 128])
-def test_tile_list_places_each_sequence_at_its_padded_tile(block):
-    lengths = torch.randint(0, 400, (17,))
-    lengths[[0, 4, 9]] = torch.tensor([0, block, block + 1])
-    lengths[16] = 0
-    offsets = offsets_from_lengths(lengths).to(torch.int32)
-    total = int(lengths.sum())
+@settings(deadline=None, max_examples=40)
+@given(lengths=lengths_strategy, block=st.sampled_from([64, 128]))
+def test_tile_list_places_each_sequence_at_its_padded_tile(lengths, block):
+    offsets = offsets_from_lengths(torch.tensor(lengths)).to(torch.int32)
+    total = sum(lengths)
     table = tile_list(offsets, total, block)
-    assert table.dtype == torch.int32 and table.shape == (tile_slots(total, 17, block), 2)
+    assert table.dtype == torch.int32 and table.shape == (tile_slots(total, len(lengths), block), 2)
     expected = torch.full_like(table, EMPTY_SLOT)
-    for b, length in enumerate(lengths.tolist()):
+    for b, length in enumerate(lengths):
         first = padded_tile(int(offsets[b]), b, block)
         for t in range(-(-length // block)):
             expected[first + t] = torch.tensor([b, t])
