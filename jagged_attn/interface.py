@@ -49,7 +49,7 @@ def _finiteness_in_flight(finite, finite_names):
         return lambda: _raise_if_nonfinite(finite_names, magnitudes.tolist())
     host = magnitudes.to("cpu", non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(magnitudes.device))  # the copy's stream, whichever device is current
 
     def finish():
         copied.synchronize()
