@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from .devices import on_device_of
 from .mxfp8 import quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
@@ -77,19 +78,22 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
     bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
 
     def forward_mx(q, k, v, causal, softmax_scale, out_dtype):
-        return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
-                                     **options)
+        with on_device_of(q.data):
+            return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
+                                         **options)
 
     def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
-        if hasattr(fwd, "attention_forward_hp"):
+        if not hasattr(fwd, "attention_forward_hp"):
+            mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)
+            return forward_mx(*mx, causal, softmax_scale, q.dtype)
+        with on_device_of(q):
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
                                             **options)
-        mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)
-        return forward_mx(*mx, causal, softmax_scale, q.dtype)
 
     def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
-        return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                      softmax_scale=softmax_scale, deterministic=deterministic, **options)
+        with on_device_of(q):
+            return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                                          softmax_scale=softmax_scale, deterministic=deterministic, **options)
 
     return Backend(name, forward_mx, forward_hp, backward)
 

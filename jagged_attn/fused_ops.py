@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .backends import get_backend
+from .devices import on_device_of
 from .mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
 from .offsets import value_checks
 from .ops import attention_gradients, save_for_attention_backward
@@ -53,7 +54,8 @@ def linear_quantize_op(
     from .kernels.linear_quantize import linear_quantize
 
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
-    mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias, nonfinite=nonfinite)
+    with on_device_of(x):
+        mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias, nonfinite=nonfinite)
     return y, mx.data, mx.scales, nonfinite
 
 
@@ -96,7 +98,8 @@ def rms_norm_quantize_op(
     from .kernels.rmsnorm_quantize import rms_norm_quantize
 
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
-    mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps, nonfinite=nonfinite)
+    with on_device_of(x):
+        mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps, nonfinite=nonfinite)
     return normalized, rstd, mx["feature"].data, mx["feature"].scales, nonfinite
 
 

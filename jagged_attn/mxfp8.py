@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import mx_format
+from .devices import on_device_of
 from .mx_format import BLOCK_SIZE
 from .offsets import (
     padded_rows_of_tokens,
@@ -223,7 +224,8 @@ def _quantize_with_kernel(x, offsets, axes, rounding):
     from .kernels.quantize import quantize_mxfp8_kernel  # imported here: the kernels import this module
 
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
-    results = quantize_mxfp8_kernel(x, offsets, axes=axes, rounding=rounding, nonfinite=nonfinite)
+    with on_device_of(x):
+        results = quantize_mxfp8_kernel(x, offsets, axes=axes, rounding=rounding, nonfinite=nonfinite)
     check_finite(nonfinite, "values")
     return results
 

@@ -310,6 +310,35 @@ def test_gpu_nonfinite_input_raises_once_offsets_are_known(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_inputs_on_another_gpu_than_the_current_one():
+    """Triton launches on the current device, so the entry points make their inputs' device current: a
+    call on cuda:1 while cuda:0 is current gives, bit for bit, what it gives with cuda:1 current
+    (attention forward and backward, quantize_mxfp8, the layer's fused producers)."""
+    from jagged_attn.nn import JaggedAttention
+
+    q, k, v, oq, ok = (x.to("cuda:1") for x in _inputs(lengths_q=(3, 130), lengths_k=(40, 7), hq=2, hkv=1, dim=64,
+                                                         dtype=torch.bfloat16))
+    dout = torch.randn_like(q)
+    layer = JaggedAttention(128, num_heads=2, head_dim=64).to("cuda:1", torch.bfloat16)
+    x = torch.randn(q.shape[0], 128, device="cuda:1", dtype=torch.bfloat16)
+
+    def run():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = ja.jagged_attention(*leaves, oq, ok, causal=True, backend="triton", deterministic=True)
+        mx = ja.quantize_mxfp8(q, oq)
+        return [out, *torch.autograd.grad(out, leaves, dout), mx.data.view(torch.uint8), mx.scales.view(torch.uint8),
+                layer(x, oq)]
+
+    with torch.cuda.device(1):
+        expected = run()
+    with torch.cuda.device(0):
+        got = run()
+    for a, b in zip(got, expected):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
 def test_gpu_large_batches(batch, longest, heads, dim):
     """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
