@@ -16,8 +16,8 @@
 
 The MXFP8 outputs are not differentiable: gradients reach the producers through the
 high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAttention``: the offsets
-before the producers run; after them, in one wait for the device, the producers' flags (fp32 ``[1]``,
-NaN/Inf if the result holds any) and v's finiteness), so the ops themselves wait for nothing.
+before the producers run; the producers' flags (fp32 ``[1]``, NaN/Inf if the result holds any) and v's
+finiteness once the attention is queued), so the ops themselves wait for nothing.
 """
 
 from __future__ import annotations

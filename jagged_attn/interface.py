@@ -8,7 +8,7 @@ import torch
 
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
-from .mxfp8 import MXFP8Jagged, check_values, max_magnitude, nonfinite_error
+from .mxfp8 import MXFP8Jagged, check_finite_later, check_values
 from .offsets import (check_offsets_type, known_valid, offsets_facts, skip_value_check, validate_offsets,
                       value_checks)
 
@@ -35,57 +35,25 @@ def _unpack(x, offsets, name):
     return x, offsets, None
 
 
-def _raise_if_nonfinite(names, magnitudes) -> None:
-    for name, magnitude in zip(names, magnitudes):
-        if not math.isfinite(magnitude):
-            raise nonfinite_error(name)
-
-
-def _finiteness_in_flight(finite, finite_names):
-    """Queue the largest magnitude of each tensor of ``finite`` for a copy to the host (pinned memory,
-    no wait) and return ``finish``, which waits for that copy alone and raises the NaN/Inf error."""
-    magnitudes = torch.stack([max_magnitude(x).to(torch.float64) for x in finite])
-    if magnitudes.device.type != "cuda":
-        return lambda: _raise_if_nonfinite(finite_names, magnitudes.tolist())
-    host = magnitudes.to("cpu", non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(magnitudes.device))  # the copy's stream, whichever device is current
-
-    def finish():
-        copied.synchronize()
-        _raise_if_nonfinite(finite_names, host.tolist())
-
-    return finish
-
-
-def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, names=("offsets_q", "offsets_k"),
-                       finite=(), finite_names=()):
-    """Both offsets valid for their rows and of one batch size (``ValueError`` naming them otherwise),
-    and each tensor of ``finite`` all finite (named by ``finite_names``). Returns ``finish``: call it
-    once the kernels that read these tensors are queued; it raises the NaN/Inf error, if any.
-
-    Offsets not yet known valid are read before anything else runs (kernels given bad offsets could
-    read and write out of bounds): the call's one wait. NaN/Inf cannot do that, so that check goes to
-    the host in a copy queued behind its reductions, and ``finish`` waits for that copy only, not for
-    the kernels queued after it: a wait drains the GPU's queue, which then idles while the host
-    launches what follows (nine waits made one took an H200's training step from 30.98 to 28.76 ms,
-    docs/PERF.md v15; with offsets known, reading NaN/Inf after the kernels are queued took 0.25-0.68 ms
-    more off, v16)."""
+def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: torch.device,
+                       names=("offsets_q", "offsets_k")) -> None:
+    """Both offsets valid for their rows, on ``device`` and of one batch size (``ValueError`` naming
+    them otherwise). Offsets not yet known valid are read before anything else runs (kernels given bad
+    offsets could read and write out of bounds), both in one wait for the device (nine waits made one
+    took an H200's training step from 30.98 to 28.76 ms, docs/PERF.md v15)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:
         check_offsets_type(offsets, name)
-    if any(skip_value_check(t) for t in (offsets_q, offsets_k, *finite)):
-        for offsets, rows, name in pairs:  # each checks what it can read
-            validate_offsets(offsets, rows, name)
-        finite = ()
-    elif unknown := [pair for pair in pairs if not known_valid(pair[0], pair[1])]:
-        facts = torch.cat([offsets_facts(offsets).to(offsets_q.device) for offsets, _, _ in unknown]).tolist()  # wait
+        if offsets.device != device:
+            raise ValueError(f"{name} is on {offsets.device} but the values are on {device}")
+    unknown = [pair for pair in pairs if not (skip_value_check(pair[0]) or known_valid(pair[0], pair[1]))]
+    if unknown:
+        facts = torch.cat([offsets_facts(offsets) for offsets, _, _ in unknown]).tolist()  # the one wait
         for i, (offsets, rows, name) in enumerate(unknown):
             validate_offsets(offsets, rows, name, facts[3 * i:3 * i + 3])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")
-    return _finiteness_in_flight(finite, finite_names) if finite else (lambda: None)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -176,7 +144,7 @@ def jagged_attention(
             raise ValueError("v.offsets must equal k's offsets")
     else:
         for name, x in (("q", q), ("k", k), ("v", v)):
-            check_values(x, name, finite=False)  # finiteness below, in the same wait as the offsets
+            check_values(x, name, finite=False)  # finiteness below, read once the kernels are queued
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         if offsets_v is not None and offsets_k is not None and not _same_offsets(offsets_v, offsets_k):
@@ -191,13 +159,8 @@ def jagged_attention(
         if data[1].shape[0] != data[0].shape[0]:
             raise ValueError("offsets_k is required when q and k have different numbers of rows")
         offsets_k = offsets_q
-    for name, off in (("offsets_q", offsets_q), ("offsets_k", offsets_k)):
-        check_offsets_type(off, name)
-        if off.device != device:
-            raise ValueError(f"{name} is on {off.device} but q is on {device}")
-    finish_checks = check_offsets_pair(offsets_q, data[0].shape[0], offsets_k, data[1].shape[0],
-                                       finite=() if quantized else data,
-                                       finite_names=() if quantized else ("q", "k", "v"))
+    check_offsets_pair(offsets_q, data[0].shape[0], offsets_k, data[1].shape[0], device)
+    finish_checks = check_finite_later(() if quantized else data, ("q", "k", "v"))
     softmax_scale = resolve_softmax_scale(softmax_scale, data[0].shape[2])
     name = auto_backend_name(device) if backend == "auto" else backend
     check_kernel_device(name, device)

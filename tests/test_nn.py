@@ -235,6 +235,15 @@ def test_fused_layer_rejects_nonfinite_projections(qk_norm):
         assert fused(x, offsets).shape == x.shape
 
 
+def test_fused_layer_rejects_offsets_on_another_device():
+    """The fused path hands the offsets to its producer kernels: they must be on x's device."""
+    fused, _ = _bf16_pair(dict(backend="reference"), num_heads=2, head_dim=64)
+    offsets = offsets_from_lengths(torch.tensor([3, 40]))
+    x = torch.randn(43, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets is on meta"):
+        fused(x, offsets.to("meta"))
+
+
 @pytest.mark.parametrize("backend, qk_norm, cross", [("reference", False, True), ("reference", True, False),
                                                      ("triton", False, False), ("triton", True, True)])
 def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cross):
