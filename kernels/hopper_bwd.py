@@ -72,6 +72,7 @@ from .layout import (
     scale_inverse,
     scale_value,
     sequence_span,
+    slot_program,
     store_sequence_copy,
 )
 from .schedule import SLOT_TOKENS, slot_tiles
@@ -81,7 +82,8 @@ PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a t
 # against eight, docs/PERF.md v9; the amax pass then 0.101 -> 0.080 ms with two, ads K 0.465 -> 0.351, v16),
 # and of the dQ finish pass. Both passes take their 128-token slot in chunks of PRODUCER_CHUNK tokens (a
 # power of two from 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms against whole slots; 32
-# and 16, though lighter on registers, 0.488 and 0.858 (docs/PERF.md v14).
+# and 16, though lighter on registers, 0.488 and 0.858 (docs/PERF.md v14). Re-swept with the heads of a
+# slot fastest (v17): the same choices.
 AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
 PRODUCER_CHUNK = 64
@@ -111,12 +113,11 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _producer_program(offsets_ptr, tiles_ptr):
+def _producer_program(offsets_ptr, tiles_ptr, HEADS: tl.constexpr):
     """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (slots of
-    the ``schedule.tile_list`` table ``tiles``, heads); an unused slot has length 0, and a tile at or
-    past the sequence's length has nothing to do."""
-    slot = tl.program_id(0)
-    h = tl.program_id(1)
+    the ``schedule.tile_list`` table ``tiles`` x HEADS, heads fastest: ``layout.slot_program``); an
+    unused slot has length 0, and a tile at or past the sequence's length has nothing to do."""
+    slot, h = slot_program(HEADS)
     b = tl.load(tiles_ptr + 2 * slot)
     tile = tl.load(tiles_ptr + 2 * slot + 1)
     used = b >= 0
@@ -159,7 +160,7 @@ def _sequence_amax_kernel(
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
     non-negative floats order like their bits."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
     amax = tl.zeros([HEAD_DIM], dtype=tl.float32)
@@ -198,7 +199,7 @@ def _quantize_kernel(
     P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
     the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
     """
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
     channels = tl.arange(0, HEAD_DIM)
@@ -517,7 +518,7 @@ def _finish_dq_kernel(
     """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS_Q)
     if tile * TILE >= seq_len:
         return
     sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
@@ -576,7 +577,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     if total == 0:
         return result, delta, lse2
     tiles = slot_tiles(offsets, total) if tiles is None else tiles
-    grid = (tiles.shape[0], heads)
+    grid = (tiles.shape[0] * heads,)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
     amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
@@ -750,7 +751,7 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
     if deterministic:
         _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, **GPU_DQ_TILES)
     elif prep.total_k > 0:
-        _finish_dq_kernel[(prep.tiles_q.shape[0], prep.heads_q)](
+        _finish_dq_kernel[(prep.tiles_q.shape[0] * prep.heads_q,)](
             dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
             prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
             TILE=PRODUCER_TILE, num_warps=FINISH_DQ_WARPS)

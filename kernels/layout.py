@@ -215,6 +215,15 @@ def grown_scale_byte(amax, running_byte):
 
 
 @triton.jit
+def slot_program(LANES: tl.constexpr):
+    """(work slot, lane) of this program when grid axis 0 runs over ``slots x LANES`` programs, lanes
+    fastest: the programs of one slot (its heads, its channel chunks) run together, so that the token
+    rows they share are read and written whole at about the same time."""
+    program = tl.program_id(0)
+    return program // LANES, program % LANES
+
+
+@triton.jit
 def grid_split(outer):
     """(inner, outer) index of this program when grid axis 0 runs over ``inner x outer`` programs,
     inner fastest: (tile, sequence) where a grid holds more sequences than axes 1 and 2 allow

@@ -55,7 +55,11 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # K/V rebasing slower (1.19 ms against 0.90 before this change), so MXFP8 keeps 128 on 4.
 # The two passes timed apart (bf16 [262144, 16, 128], 11:33 UTC): the exponent pass 310-399 us with
 # 64 channels on 4 warps against 442-449 with 32 on 1, the rebase pass 693-708 us with 32 on 1 against
-# 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch.
+# 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch. Programs run
+# heads and channel chunks fastest (``layout.slot_program``): against work slots fastest, V from bf16
+# 0.90-0.98 -> 0.80-0.87 ms, K's FP8 feature rebase 0.46 -> 0.40 ms, bytes identical (bf16 [262144, 16,
+# 128], 2026-11-30 20:14 UTC); the configs re-swept in that order (20:18): the same best but the
+# exponent pass's, 64 channels on 2 warps (2-3% less than on 4).
 FEATURE_CONFIG = dict(num_warps=4)
 # Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
@@ -64,7 +68,7 @@ FEATURE_CONFIG = dict(num_warps=4)
 # chunks were 1% slower (docs/PERF.md v14).
 FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
-EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=4), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
+EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=2), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 
 
 @triton.jit
@@ -145,8 +149,7 @@ def _rebase_feature_kernel(
     or (from high-precision values) GROUP is the whole tile: its byte then comes from a first read of
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1."""
-    head = tl.program_id(1)
-    seq, tile, start, length, _ = _claimed_tile(work, offsets, BLOCK_T)
+    seq, tile, start, length, _, head = _claimed_tile(work, offsets, BLOCK_T, HEADS)
     if seq < 0:
         return
     slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
@@ -187,14 +190,15 @@ def _rebase_feature_kernel(
 
 
 @triton.jit
-def _claimed_tile(work, offsets, BLOCK_T: tl.constexpr):
-    """(sequence, tile, sequence start, sequence length, the tile's rows) of this program's slot of
-    ``schedule.tile_list``; sequence -1 marks an unused slot (the rest is then meaningless)."""
-    slot = tl.program_id(0)
+def _claimed_tile(work, offsets, BLOCK_T: tl.constexpr, LANES: tl.constexpr):
+    """(sequence, tile, sequence start, sequence length, the tile's rows, lane) of this program's slot
+    of ``schedule.tile_list`` (grid: slots x LANES, lanes fastest: ``layout.slot_program``); sequence -1
+    marks an unused slot (the rest is then meaningless)."""
+    slot, lane = layout.slot_program(LANES)
     seq = tl.load(work + 2 * slot)
     tile = tl.load(work + 2 * slot + 1)
     start, length = layout.sequence_span(offsets, tl.maximum(seq, 0))
-    return seq, tile, start, length, tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    return seq, tile, start, length, tile * BLOCK_T + tl.arange(0, BLOCK_T), lane
 
 
 @triton.jit
@@ -228,12 +232,13 @@ def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, cha
 
 
 @triton.jit
-def _claimed_chunk(work, offsets, exponent, batch, BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """:func:`_claimed_tile` of a sequence-axis program (grid: work slot, head, chunk of ``BLOCK_D``
-    channels) with (head, its channels, their ``exponent [H, B, D]`` entries)."""
-    head = tl.program_id(1)
-    seq, tile, start, length, rows = _claimed_tile(work, offsets, BLOCK_T)
-    channels = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """:func:`_claimed_tile` of a sequence-axis program (grid: work slots x heads x chunks of ``BLOCK_D``
+    channels, chunks fastest) with (head, its channels, their ``exponent [H, B, D]`` entries)."""
+    seq, tile, start, length, rows, lane = _claimed_tile(work, offsets, BLOCK_T, HEADS * (D // BLOCK_D))
+    head = lane // (D // BLOCK_D)
+    channels = lane % (D // BLOCK_D) * BLOCK_D + tl.arange(0, BLOCK_D)
     entries = exponent + (head.to(tl.int64) * batch + tl.maximum(seq, 0)) * D + channels
     return seq, tile, start, length, rows, head, channels, entries
 
@@ -246,7 +251,7 @@ def _sequence_exponent_kernel(
 ):
     """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
     (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone)."""
-    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch,
+    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
                                                                              BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
@@ -265,7 +270,7 @@ def _rebase_sequence_kernel(
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch,
+    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
                                                                              BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
@@ -302,7 +307,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
     chunk = FEATURE_CHUNK if mx is None else TOKENS_PER_PROGRAM  # from MXFP8: whole slots
     if work.shape[0]:
-        _rebase_feature_kernel[(work.shape[0], heads)](
+        _rebase_feature_kernel[(work.shape[0] * heads,)](
             values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
             HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
             FROM_HIGH_PRECISION=mx is None,
@@ -328,10 +333,10 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
     if work.shape[0]:
         kind = "values" if mx is None else "mxfp8"
         exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
-        _sequence_exponent_kernel[(work.shape[0], heads, dim // exponent_config["BLOCK_D"])](
+        _sequence_exponent_kernel[(work.shape[0] * heads * (dim // exponent_config["BLOCK_D"]),)](
             values, scales, offsets, work, exponent, batch, per_head, col_tiles, **common, **exponent_config
         )
-        _rebase_sequence_kernel[(work.shape[0], heads, dim // config["BLOCK_D"])](
+        _rebase_sequence_kernel[(work.shape[0] * heads * (dim // config["BLOCK_D"]),)](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
             ORDER=order, INTERPRET=fp8.INTERPRETED, **common, **config,
         )

@@ -284,7 +284,7 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     sums = torch.randn(q.shape[0] + 64, heads_q, dim)
     dq = torch.full_like(q, math.nan)
     tiles = tile_list(offsets_q, q.shape[0], 64)
-    hopper_bwd._finish_dq_kernel[(tiles.shape[0], heads_q)](
+    hopper_bwd._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
         sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
         HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
