@@ -4,8 +4,10 @@ Every backend offers the same three entry points:
 
 * ``forward_mx(q, k, v, causal, softmax_scale, out_dtype) -> (out, lse)`` on ``MXFP8Jagged`` inputs
   (q, k on the feature axis, v on the sequence axis, or on the feature axis = per-token scales);
-* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis) -> (out, lse)`` on
-  bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype);
+* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite) -> (out, lse)``
+  on bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype; with
+  ``check_finite`` raises ValueError for NaN/Inf in q, k or v, read once its kernels are queued: the
+  Hopper kernels take the magnitudes from their own pass over the inputs);
 * ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic)
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
 
@@ -29,7 +31,7 @@ from typing import Callable
 import torch
 
 from .devices import on_device_of
-from .mxfp8 import quantize_mxfp8
+from .mxfp8 import finite_check_later, largest_magnitudes, quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
 BACKENDS = ("auto", "reference", "triton", "triton-fast", "exact")
@@ -59,9 +61,21 @@ def _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis="sequence"):
     )
 
 
-def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
-    mx = _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis)
-    return _reference_forward_mx(*mx, causal, softmax_scale, q.dtype)
+def _with_finite_check(check_finite, q, k, v, forward):
+    """``forward()``, with (if ``check_finite``) q, k, v's NaN/Inf check read once it is queued."""
+    finish = finite_check_later(largest_magnitudes((q, k, v)), ("q", "k", "v")) if check_finite else None
+    result = forward()
+    if finish is not None:
+        finish()
+    return result
+
+
+def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite):
+    def forward():
+        mx = _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis)
+        return _reference_forward_mx(*mx, causal, softmax_scale, q.dtype)
+
+    return _with_finite_check(check_finite, q, k, v, forward)
 
 
 def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
@@ -82,13 +96,13 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
             return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
                                          **options)
 
-    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis):
+    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite):
         if not hasattr(fwd, "attention_forward_hp"):
-            mx = _quantize_inputs(q, k, v, offsets_q, offsets_k)
-            return forward_mx(*mx, causal, softmax_scale, q.dtype)
+            return _with_finite_check(check_finite, q, k, v, lambda: forward_mx(
+                *_quantize_inputs(q, k, v, offsets_q, offsets_k), causal, softmax_scale, q.dtype))
         with on_device_of(q):
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-                                            **options)
+                                            check_finite=check_finite, **options)
 
     def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
         with on_device_of(q):

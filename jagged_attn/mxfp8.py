@@ -169,15 +169,26 @@ def check_finite(x: torch.Tensor, name: str) -> None:
 
 def check_finite_later(tensors, names):
     """:func:`check_finite` of each of ``tensors`` (named by ``names``) without waiting now: returns
-    ``finish``, to be called once the kernels that read them are queued. NaN/Inf cannot send a kernel
-    out of bounds, so their check need not come first: the magnitudes go to pinned host memory in a copy
-    queued behind their reductions, and ``finish`` waits for that copy alone, not for the kernels queued
-    after it (a wait drains the GPU's queue, which then idles while the host launches what follows:
-    reading the check after the kernels took 0.25-0.68 ms off an H200 training step, docs/PERF.md v16)."""
+    ``finish``, to be called once the kernels that read them are queued (:func:`finite_check_later`)."""
     checked = [(x, name) for x, name in zip(tensors, names) if not skip_value_check(x)]
     if not checked:
         return lambda: None
-    magnitudes = torch.stack([max_magnitude(x).to(torch.float64) for x, _ in checked])
+    return finite_check_later(largest_magnitudes([x for x, _ in checked]), [name for _, name in checked])
+
+
+def largest_magnitudes(tensors) -> torch.Tensor:
+    """float64 ``[len(tensors)]`` of their :func:`max_magnitude`, formed without waiting."""
+    return torch.stack([max_magnitude(x).to(torch.float64) for x in tensors])
+
+
+def finite_check_later(magnitudes: torch.Tensor, names):
+    """``finish`` of the NaN/Inf check of inputs whose largest magnitudes (a float tensor, one per name,
+    NaN or Inf where an input holds one) are being formed: NaN/Inf cannot send a kernel out of bounds,
+    so the check need not come first. The magnitudes go to pinned host memory in a copy queued behind
+    what forms them; ``finish``, called once the kernels that read the inputs are queued, waits for that
+    copy alone, not for the kernels queued after it (a wait drains the GPU's queue, which then idles
+    while the host launches what follows: reading the check after the kernels took 0.25-0.68 ms off an
+    H200 training step, docs/PERF.md v16), and raises for the first non-finite one."""
     copied = None
     if magnitudes.is_cuda:
         device = magnitudes.device
@@ -188,7 +199,7 @@ def check_finite_later(tensors, names):
     def finish():
         if copied is not None:
             copied.synchronize()
-        for (_, name), magnitude in zip(checked, magnitudes.tolist()):
+        for name, magnitude in zip(names, magnitudes.tolist()):
             if not math.isfinite(magnitude):
                 raise nonfinite_error(name)
 

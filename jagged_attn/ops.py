@@ -19,14 +19,15 @@ from .offsets import values_unavailable
 @torch.library.custom_op("jagged_attn::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor,
-    causal: bool, softmax_scale: float, backend: str, deterministic: bool, v_axis: str,
+    causal: bool, softmax_scale: float, backend: str, deterministic: bool, v_axis: str, check_finite: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``deterministic`` only matters to the backward (bit-identical gradients run to run)."""
-    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis)
+    """``deterministic`` only matters to the backward (bit-identical gradients run to run); with
+    ``check_finite`` NaN/Inf in q, k or v raise ValueError (the backend reads them with its kernels)."""
+    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite)
 
 
 @attention_op.register_fake
-def _(q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis):
+def _(q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis, check_finite):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -63,7 +64,7 @@ def attention_gradients(ctx, dout):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis = inputs
+    q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis, check_finite = inputs
     # An output the loss does not use gets None, not zeros: dlse is then checked (a wait for the
     # device) only when the caller differentiates through the LSE, not on every backward.
     ctx.set_materialize_grads(False)
@@ -75,8 +76,8 @@ def _backward(ctx, dout, dlse):
     if dlse is not None and not values_unavailable(dlse) and bool((dlse != 0).any()):
         raise NotImplementedError("gradients through the returned LSE are not supported")
     if dout is None:  # only the LSE took part in the loss, with a zero gradient
-        return (None,) * 10
-    return *attention_gradients(ctx, dout), None, None, None, None, None, None, None
+        return (None,) * 11
+    return *attention_gradients(ctx, dout), None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jagged_attn.mxfp8 import MXFP8Jagged
+from jagged_attn.mxfp8 import MXFP8Jagged, finite_check_later, largest_magnitudes
 
 from . import fp8, hopper_fwd_ws, layout
 from .rebase import (
@@ -318,16 +318,25 @@ def attention_forward(
 
 
 def attention_forward_hp(
-    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, scores="fp8"
+    q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, scores="fp8",
+    check_finite=False,
 ):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
-    K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel."""
+    K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel. With
+    ``check_finite``, ValueError for NaN/Inf in q, k or v, read once the kernels are queued."""
     if hopper_fwd_ws.runs_on(q, scores):
         return hopper_fwd_ws.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal,
-                                                  softmax_scale=softmax_scale, out_dtype=out_dtype, scores=scores)
+                                                  softmax_scale=softmax_scale, out_dtype=out_dtype, scores=scores,
+                                                  check_finite=check_finite)
     config = tile_config(q.shape[-1], scores)
-    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
-    return _forward(
+    magnitudes = torch.zeros(2, dtype=torch.int32, device=k.device) if check_finite else None  # k, v: fp32 bits
+    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",
+                                    magnitudes=magnitudes)
+    finish = None
+    if check_finite:  # Q is quantized inside the kernel: its magnitude from a reduction of its own
+        largest = torch.cat([largest_magnitudes((q,)), magnitudes.view(torch.float32).to(torch.float64)])
+        finish = finite_check_later(largest, ("q", "k", "v"))
+    result = _forward(
         q,
         None,
         *rebased_kv,
@@ -338,3 +347,6 @@ def attention_forward_hp(
         out_dtype=q.dtype if out_dtype is None else out_dtype,
         config=config,
     )
+    if finish is not None:
+        finish()
+    return result

@@ -26,6 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from jagged_attn.mxfp8 import finite_check_later
+
 from . import layout
 from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
 from .schedule import work_list
@@ -283,12 +285,19 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
 
 
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
-                         scores="fp8"):
-    """``hopper_fwd.attention_forward_hp`` (bf16/fp16 q, k, v, each quantized and rebased in one pass)."""
+                         scores="fp8", check_finite=False):
+    """``hopper_fwd.attention_forward_hp`` (bf16/fp16 q, k, v, each quantized and rebased in one pass,
+    which with ``check_finite`` also forms their largest magnitudes for the NaN/Inf check)."""
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
-    rebased_q = quantize_rebase_feature(q, offsets_q, group=1, exact=exact)
-    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact,
-                                    v_order=layout.PV_ORDER)
-    return _forward(*rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-                    out_dtype=q.dtype if out_dtype is None else out_dtype, config=config)
+    magnitudes = torch.zeros(3, dtype=torch.int32, device=q.device) if check_finite else None  # q, k, v: fp32 bits
+    rebased_q = quantize_rebase_feature(q, offsets_q, group=1, exact=exact,
+                                        magnitude=None if magnitudes is None else magnitudes[:1])
+    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
+                                    magnitudes=None if magnitudes is None else magnitudes[1:])
+    finish = None if magnitudes is None else finite_check_later(magnitudes.view(torch.float32), ("q", "k", "v"))
+    result = _forward(*rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
+                      out_dtype=q.dtype if out_dtype is None else out_dtype, config=config)
+    if finish is not None:
+        finish()
+    return result

@@ -141,26 +141,32 @@ def dequantized_feature_rows(
 
 @triton.jit
 def _rebase_feature_kernel(
-    src, scales, offsets, work, dst, factor, n_groups, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, work, dst, factor, magnitude, n_groups, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, CHECK_FINITE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (BLOCK_T-token tile, head), CHUNK tokens at a time. A chunk holds whole exponent groups,
     or (from high-precision values) GROUP is the whole tile: its byte then comes from a first read of
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
-    monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1."""
+    monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
+    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` folded into ``magnitude``."""
     seq, tile, start, length, _, head = _claimed_tile(work, offsets, BLOCK_T, HEADS)
     if seq < 0:
         return
     slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
     tile_byte = 0
-    if not EXACT and GROUP > CHUNK:
+    largest = 0
+    FIRST_READ: tl.constexpr = not EXACT and GROUP > CHUNK
+    if FIRST_READ:
         tl.static_assert(FROM_HIGH_PRECISION and GROUP == BLOCK_T)
         amax = 0.0
         for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
             rows = chunk * CHUNK + tl.arange(0, CHUNK)
-            amax = tl.maximum(amax, tl.max(tl.abs(_load_rows(src, head, start, rows, tl.arange(0, D), length,
-                                                              HEADS, D))))
+            x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
+            amax = tl.maximum(amax, tl.max(tl.abs(x)))
+            if CHECK_FINITE:
+                largest = tl.maximum(largest, _largest_magnitude(x))
         tile_byte = layout.scale_byte_of_amax(amax, FLOOR)
         tl.store(factor + head.to(tl.int64) * n_groups + (slot_start + tile * BLOCK_T) // GROUP,
                  layout.scale_value(tile_byte))
@@ -184,9 +190,21 @@ def _rebase_feature_kernel(
             tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
+        if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
+            largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
+                                                                        length, HEADS, D)))
     if EXACT:
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
+    if CHECK_FINITE:
+        tl.atomic_max(magnitude, largest, sem="relaxed")
+
+
+@triton.jit
+def _largest_magnitude(x):
+    """int32 bits of the largest ``|x|`` of an fp32 tile, NaN counted as +Inf (``tl.max`` would drop it):
+    what the NaN/Inf check reads (non-negative floats order like their bits)."""
+    return tl.max(tl.where(x == x, tl.abs(x), float("inf"))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -245,18 +263,21 @@ def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T:
 
 @triton.jit
 def _sequence_exponent_kernel(
-    src, scales, offsets, work, exponent, batch, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, work, exponent, magnitude, batch, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr,
 ):
     """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
-    (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone)."""
+    (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone).
+    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` folded into ``magnitude``."""
     seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
                                                                              BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
     if FROM_HIGH_PRECISION:
         x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
+        if CHECK_FINITE:
+            tl.atomic_max(magnitude, _largest_magnitude(x), sem="relaxed")
         largest = layout.scale_byte_of_amax(tl.max(tl.abs(x), axis=0), FLOOR)
     else:
         largest = tl.max(_sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
@@ -296,7 +317,7 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
     return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
-def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
+def _rebase_feature(values, offsets, mx, rounding, group, exact, work, magnitude=None):
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
@@ -308,10 +329,10 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work):
     chunk = FEATURE_CHUNK if mx is None else TOKENS_PER_PROGRAM  # from MXFP8: whole slots
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0] * heads,)](
-            values, scales, offsets, work, data, factor, n_groups, per_head, col_tiles,
-            HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
-            FROM_HIGH_PRECISION=mx is None,
-            FLOOR=rounding == "floor", EXACT=exact, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
+            values, scales, offsets, work, data, factor, factor if magnitude is None else magnitude, n_groups,
+            per_head, col_tiles, HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
+            FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
+            CHECK_FINITE=magnitude is not None, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
         )
     return data, factor
 
@@ -321,7 +342,7 @@ def _fitted(config: dict, dim: int) -> dict:
     return config if dim % config["BLOCK_D"] == 0 else dict(config, BLOCK_D=dim)
 
 
-def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER):
+def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER, magnitude=None):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
@@ -334,7 +355,8 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
         kind = "values" if mx is None else "mxfp8"
         exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
         _sequence_exponent_kernel[(work.shape[0] * heads * (dim // exponent_config["BLOCK_D"]),)](
-            values, scales, offsets, work, exponent, batch, per_head, col_tiles, **common, **exponent_config
+            values, scales, offsets, work, exponent, exponent if magnitude is None else magnitude, batch, per_head,
+            col_tiles, CHECK_FINITE=magnitude is not None, **common, **exponent_config
         )
         _rebase_sequence_kernel[(work.shape[0] * heads * (dim // config["BLOCK_D"]),)](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
@@ -355,11 +377,13 @@ def rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False) -> tupl
 
 
 def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1,
-                            exact: bool = False):
+                            exact: bool = False, magnitude: torch.Tensor | None = None):
     """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group, exact)``,
-    in one pass over bf16/fp16/fp32 ``values [total, H, D]``."""
+    in one pass over bf16/fp16/fp32 ``values [total, H, D]``. ``magnitude`` (int32 ``[1]`` holding 0, or
+    more): the largest ``|value|`` is folded into it as fp32 bits, +Inf for NaN (for a NaN/Inf check)."""
     rounding = mx_format.check_rounding(rounding)
-    return _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]))
+    return _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]),
+                           magnitude)
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,10 +408,12 @@ def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, v
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
-                       v_order=layout.NATURAL_ORDER):
+                       v_order=layout.NATURAL_ORDER, magnitudes: torch.Tensor | None = None):
     """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
-    with one tile list for both passes (``v_order`` as in :func:`rebase_kv`)."""
+    with one tile list for both passes (``v_order`` as in :func:`rebase_kv`); ``magnitudes``: int32 ``[2]``
+    holding 0, for K's and V's largest magnitudes (``quantize_rebase_feature``'s ``magnitude``)."""
     work = slot_tiles(offsets, k.shape[0])
-    return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work),
-            *_rebase_sequence(v, offsets, None, "rceil", work, v_order))
+    k_magnitude, v_magnitude = (None, None) if magnitudes is None else (magnitudes[:1], magnitudes[1:])
+    return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_magnitude),
+            *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_magnitude))
 

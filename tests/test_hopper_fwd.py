@@ -106,6 +106,42 @@ def test_rebase_feature_is_mx_values(poisoned):
                 assert bool((factor[:, rows // group] == 1).all())
 
 
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_rebasing_forms_the_largest_magnitude_for_the_nan_check(poisoned, bad):
+    """From high-precision values every rebasing pass folds its input's largest ``|x|`` into the
+    ``magnitude`` it is given (fp32 bits; NaN as +Inf), which the forward's NaN/Inf check reads: each
+    feature kind (exact or FP8, one exponent per token or per 128-token tile) and V's sequence pass."""
+    q, k, v, _, offsets_k = make_inputs([0, 1, 33, 200], [3, 0, 40, 129], 2, 2, 64, "heavy_tailed")
+    if bad is not None:
+        for x in (k, v):
+            x.view(-1)[int(torch.randint(x.numel(), ()))] = bad
+
+    def expected(x):
+        return float("inf") if bad is not None else float(x.abs().max())
+
+    for exact, group in ((True, 1), (True, 128), (False, 1), (False, 128)):
+        magnitudes = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        rebase.quantize_rebase_kv(k, v, offsets_k, group, exact=exact, magnitudes=magnitudes)
+        assert magnitudes.view(torch.float32).tolist() == [expected(k), expected(v)]
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_forward_from_high_precision_checks_finiteness(poisoned, name):
+    """``attention_forward_hp(check_finite=True)`` raises for NaN or Inf in any input, naming it, and
+    runs clean inputs as without the check."""
+    inputs = dict(zip("qkv", make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64, dtype=torch.bfloat16)[:3]))
+    offsets = make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64)[3:]
+    options = dict(causal=True, softmax_scale=0.125, scores="bf16")
+    checked = hopper_fwd.attention_forward_hp(*inputs.values(), *offsets, check_finite=True, **options)
+    plain = hopper_fwd.attention_forward_hp(*inputs.values(), *offsets, **options)
+    assert all(torch.equal(a, b) for a, b in zip(checked, plain))
+    bad = inputs[name].clone()
+    bad[int(torch.randint(bad.shape[0], ()))] = float("nan")
+    inputs[name] = bad
+    with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
+        hopper_fwd.attention_forward_hp(*inputs.values(), *offsets, check_finite=True, **options)
+
+
 def check_rebase_sequence(lengths, heads, dim, rounding):
     """Each (head, sequence, channel) exponent is its largest block byte; each MX element is shifted
     onto it and rounded to e4m3 (bit-exact), stored transposed at its token's padded column, every
@@ -270,19 +306,19 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
 @pytest.mark.parametrize("exact, group", [(True, 1), (False, 1), (False, 128)])
 def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
-    spans two chunks, read twice), compiles for sm_90 without spills in at most 96 registers (a whole
+    spans two chunks, read twice; forming the NaN/Inf check's magnitude), compiles for sm_90 without spills in at most 96 registers (a whole
     slot at a time took 147-202, 62-69% of copy against 80-83% in chunks on an H200; docs/PERF.md v15)."""
     names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
-                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, INTERPRET=False)
+                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, INTERPRET=False)
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
-                    factor="*fp32")
+                    factor="*fp32", magnitude="*i32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
     ptx = compile_ptx("jagged_attn.kernels.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
                       num_warps=rebase.FEATURE_CONFIG["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
-    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
 
 
 GPU_CASES = [

@@ -61,7 +61,7 @@ def test_self_attention_defaults_and_scale():
 
 def test_torch_library_opcheck():
     q, k, v, oq, ok = _inputs(lengths_q=(5, 33), lengths_k=(7, 31), hq=2, hkv=1, dim=32)
-    args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False, "sequence"]
+    args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False, "sequence", True]
     torch.library.opcheck(torch.ops.jagged_attn.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

@@ -298,7 +298,7 @@ def test_prequantized_attention_equals_quantizing_inside(backend):
     q_mx, k_mx = quantize_mxfp8(q.detach(), offsets_q), quantize_mxfp8(k.detach(), offsets_k)
     common = (offsets_q, offsets_k, True, 0.1, backend, False)
     out, lse = fused_ops.prequantized_attention_op(q, k, v, q_mx.data, q_mx.scales, k_mx.data, k_mx.scales, *common)
-    ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence")
+    ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence", False)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -449,7 +449,7 @@ def test_gpu_producer_mxfp8_gives_bit_identical_attention(backend):
     v = torch.randn_like(k)
     common = (offsets_q, offsets_k, True, 128**-0.5, backend, False)
     out, lse = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, *common)
-    ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence")
+    ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence", False)
     if backend != "triton-fast":
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     else:
