@@ -311,8 +311,9 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
 @pytest.mark.parametrize("exact, group", [(True, 1), (False, 1), (False, 128)])
 def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
-    spans two chunks, read twice; forming the NaN/Inf check's magnitude), compiles for sm_90 without spills in at most 96 registers (a whole
-    slot at a time took 147-202, 62-69% of copy against 80-83% in chunks on an H200; docs/PERF.md v15)."""
+    spans two chunks, read twice; forming the NaN/Inf check's magnitude), compiles for sm_90 without
+    spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
+    in chunks on an H200, docs/PERF.md v15; the magnitude formed before the chunk's store took 108, v17)."""
     names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, INTERPRET=False)
