@@ -9,7 +9,7 @@ import torch
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_values
-from .offsets import (check_offsets_type, known_valid, offsets_facts, skip_value_check, validate_offsets,
+from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
                       value_checks)
 
 
@@ -50,7 +50,7 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: t
     if unknown:
         facts = torch.cat([offsets_facts(offsets) for offsets, _, _ in unknown]).tolist()  # the one wait
         for i, (offsets, rows, name) in enumerate(unknown):
-            validate_offsets(offsets, rows, name, facts[3 * i:3 * i + 3])
+            check_offsets_facts(offsets, rows, name, facts[3 * i:3 * i + 3])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")

@@ -104,14 +104,19 @@ def offsets_facts(offsets: torch.Tensor) -> torch.Tensor:
     return torch.stack([o[0], o[-1], decreases.to(torch.int64)])
 
 
-def validate_offsets(offsets, rows: int, name: str = "offsets", facts=None) -> torch.Tensor:
+def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
     """Check ``offsets`` against the jagged convention for a values tensor with ``rows`` rows (one
-    wait for the device, none if it is :func:`known_valid` or with ``facts``, its
-    :func:`offsets_facts` already read by the caller)."""
+    wait for the device, none if it is :func:`known_valid`)."""
     check_offsets_type(offsets, name)
-    if skip_value_check(offsets) or known_valid(offsets, rows):
-        return offsets
-    first, last, decreases = offsets_facts(offsets).tolist() if facts is None else facts
+    if not (skip_value_check(offsets) or known_valid(offsets, rows)):
+        check_offsets_facts(offsets, rows, name, offsets_facts(offsets).tolist())
+    return offsets
+
+
+def check_offsets_facts(offsets: torch.Tensor, rows: int, name: str, facts) -> None:
+    """The value part of :func:`validate_offsets`, on ``facts``: its :func:`offsets_facts` read by the
+    caller (so that one wait serves several tensors); remembers ``offsets`` as valid."""
+    first, last, decreases = facts
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
     if decreases:
@@ -120,7 +125,6 @@ def validate_offsets(offsets, rows: int, name: str = "offsets", facts=None) -> t
         raise ValueError(f"{name}[-1] must equal the number of rows ({rows}), got {last}")
     if not offsets.is_inference():
         _valid_offsets[offsets] = (offsets._version, rows)
-    return offsets
 
 
 def single_sequence_offsets(rows: int, device) -> torch.Tensor:
