@@ -164,9 +164,8 @@ def _rebase_feature_kernel(
         for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
             rows = chunk * CHUNK + tl.arange(0, CHUNK)
             x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
-            amax = tl.maximum(amax, tl.max(tl.abs(x)))
-            if CHECK_FINITE:
-                largest = tl.maximum(largest, _largest_magnitude(x))
+            amax = tl.maximum(amax, tl.max(_magnitudes(x, CHECK_FINITE)))
+        largest = amax.to(tl.int32, bitcast=True)  # what CHECK_FINITE folds in (NaN as +Inf)
         tile_byte = layout.scale_byte_of_amax(amax, FLOOR)
         tl.store(factor + head.to(tl.int64) * n_groups + (slot_start + tile * BLOCK_T) // GROUP,
                  layout.scale_value(tile_byte))
@@ -201,10 +200,19 @@ def _rebase_feature_kernel(
 
 
 @triton.jit
+def _magnitudes(x, CHECK_FINITE: tl.constexpr):
+    """``|x|``, with NaN as +Inf where CHECK_FINITE (``tl.max`` drops NaN; +Inf keeps it visible to the
+    check, and a non-finite input's scale bytes are then the check's business, not the rule's)."""
+    if CHECK_FINITE:
+        return tl.where(x == x, tl.abs(x), float("inf"))
+    return tl.abs(x)
+
+
+@triton.jit
 def _largest_magnitude(x):
-    """int32 bits of the largest ``|x|`` of an fp32 tile, NaN counted as +Inf (``tl.max`` would drop it):
-    what the NaN/Inf check reads (non-negative floats order like their bits)."""
-    return tl.max(tl.where(x == x, tl.abs(x), float("inf"))).to(tl.int32, bitcast=True)
+    """int32 bits of the largest ``|x|`` of an fp32 tile, NaN counted as +Inf: what the NaN/Inf check
+    reads (non-negative floats order like their bits)."""
+    return tl.max(_magnitudes(x, True)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -275,10 +283,11 @@ def _sequence_exponent_kernel(
     if seq < 0:
         return
     if FROM_HIGH_PRECISION:
-        x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
+        amax = tl.max(_magnitudes(_load_rows(src, head, start, rows, channels, length, HEADS, D), CHECK_FINITE),
+                      axis=0)
         if CHECK_FINITE:
-            tl.atomic_max(magnitude, _largest_magnitude(x), sem="relaxed")
-        largest = layout.scale_byte_of_amax(tl.max(tl.abs(x), axis=0), FLOOR)
+            tl.atomic_max(magnitude, tl.max(amax).to(tl.int32, bitcast=True), sem="relaxed")
+        largest = layout.scale_byte_of_amax(amax, FLOOR)
     else:
         largest = tl.max(_sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
                                                      scale_bytes_per_head, n_col_tiles, BLOCK_T), axis=0)
