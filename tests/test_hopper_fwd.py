@@ -327,6 +327,22 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
 
 
+def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90():
+    """V's exponent pass from bf16 as the checked forward runs it (its maxima and the NaN/Inf magnitude
+    from one reduction) compiles for sm_90 without spills in at most 96 registers (two reductions of the
+    same tile took 143)."""
+    names = rebase._sequence_exponent_kernel.arg_names
+    constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
+                      CHECK_FINITE=True, BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
+    pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", magnitude="*i32")
+    signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
+    ptx = compile_ptx("jagged_attn.kernels.rebase", "_sequence_exponent_kernel", signature, constexprs, arch=90,
+                      num_warps=rebase.EXPONENT_CONFIGS["values"]["num_warps"], aligned=list(pointers))
+    report = ptxas_report(ptx, 90)
+    assert "0 bytes spill stores" in report
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
+
+
 GPU_CASES = [
     # (len_q, len_k, heads_q, heads_kv, dim, causal)
     ([0, 1, 31, 32, 33, 127, 128, 129, 1000, 3000], [0, 1, 31, 32, 33, 127, 128, 129, 1000, 3000], 8, 2, 128, True),
