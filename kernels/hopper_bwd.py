@@ -64,6 +64,7 @@ from .layout import (
     P_SCALE,
     P_STATIC_EXP,
     SMALLEST_NORMAL_BYTE,
+    fold_max,
     grid_split,
     grown_scale_byte,
     padded_seq_start,
@@ -167,8 +168,7 @@ def _sequence_amax_kernel(
     for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
         x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
         amax = tl.maximum(amax, tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0))
-    tl.atomic_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM),
-                  amax.to(tl.int32, bitcast=True), sem="relaxed")
+    fold_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax.to(tl.int32, bitcast=True))
 
 
 @triton.jit

@@ -196,7 +196,7 @@ def _rebase_feature_kernel(
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
     if CHECK_FINITE:
-        tl.atomic_max(magnitude, largest, sem="relaxed")
+        layout.fold_max(magnitude, largest)
 
 
 @triton.jit
@@ -286,12 +286,12 @@ def _sequence_exponent_kernel(
         amax = tl.max(_magnitudes(_load_rows(src, head, start, rows, channels, length, HEADS, D), CHECK_FINITE),
                       axis=0)
         if CHECK_FINITE:
-            tl.atomic_max(magnitude, tl.max(amax).to(tl.int32, bitcast=True), sem="relaxed")
+            layout.fold_max(magnitude, tl.max(amax).to(tl.int32, bitcast=True))
         largest = layout.scale_byte_of_amax(amax, FLOOR)
     else:
         largest = tl.max(_sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
                                                      scale_bytes_per_head, n_col_tiles, BLOCK_T), axis=0)
-    tl.atomic_max(entries, largest, sem="relaxed")
+    layout.fold_max(entries, largest)
 
 
 @triton.jit
