@@ -329,13 +329,12 @@ def attention_forward_hp(
                                                   softmax_scale=softmax_scale, out_dtype=out_dtype, scores=scores,
                                                   check_finite=check_finite)
     config = tile_config(q.shape[-1], scores)
-    magnitudes = torch.zeros(2, dtype=torch.int32, device=k.device) if check_finite else None  # k, v: fp32 bits
+    flags = torch.zeros(2, dtype=torch.float32, device=k.device) if check_finite else None  # k, v
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",
-                                    magnitudes=magnitudes)
+                                    nonfinite=flags)
     finish = None
-    if check_finite:  # Q is quantized inside the kernel: its magnitude from a reduction of its own
-        largest = torch.cat([largest_magnitudes((q,)), magnitudes.view(torch.float32).to(torch.float64)])
-        finish = finite_check_later(largest, ("q", "k", "v"))
+    if check_finite:  # Q is quantized inside the kernel: its largest magnitude from a reduction of its own
+        finish = finite_check_later(torch.cat([largest_magnitudes((q,)), flags.to(torch.float64)]), ("q", "k", "v"))
     result = _forward(
         q,
         None,

@@ -287,15 +287,15 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
                          scores="fp8", check_finite=False):
     """``hopper_fwd.attention_forward_hp`` (bf16/fp16 q, k, v, each quantized and rebased in one pass,
-    which with ``check_finite`` also forms their largest magnitudes for the NaN/Inf check)."""
+    which with ``check_finite`` also flag NaN/Inf in them for the check)."""
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
-    magnitudes = torch.zeros(3, dtype=torch.int32, device=q.device) if check_finite else None  # q, k, v: fp32 bits
+    flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v
     rebased_q = quantize_rebase_feature(q, offsets_q, group=1, exact=exact,
-                                        magnitude=None if magnitudes is None else magnitudes[:1])
+                                        nonfinite=None if flags is None else flags[:1])
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
-                                    magnitudes=None if magnitudes is None else magnitudes[1:])
-    finish = None if magnitudes is None else finite_check_later(magnitudes.view(torch.float32), ("q", "k", "v"))
+                                    nonfinite=None if flags is None else flags[1:])
+    finish = None if flags is None else finite_check_later(flags, ("q", "k", "v"))
     result = _forward(*rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
                       out_dtype=q.dtype if out_dtype is None else out_dtype, config=config)
     if finish is not None:

@@ -227,8 +227,8 @@ def slot_program(LANES: tl.constexpr):
 def fold_max(target, values):
     """``target = max(target, values)`` for int32 (a scalar or a vector of addresses), by atomics only
     where ``values`` exceed what ``target`` held when read. The programs folding into the same few
-    addresses (a sequence's channel maxima, one NaN/Inf magnitude) mostly bring nothing new, and their
-    atomics queue on those addresses; a stale read only costs an atomic."""
+    addresses (a sequence's channel maxima) mostly bring nothing new, and their atomics queue on
+    those addresses; a stale read only costs an atomic."""
     tl.atomic_max(target, values, mask=values > tl.load(target), sem="relaxed")
 
 

@@ -42,14 +42,13 @@ from jagged_attn.scale_layout import TILE_COLS, TILE_ROWS, tiled_bytes
 
 from . import fp8, layout
 from .interpreter import INTERPRETED
-from .quantize import block_scale_bytes
+from .quantize import block_scale_bytes, flag_nonfinite
 
 # Kernel constants (Triton reads module globals only when they are constexpr).
 WORD_CHANNELS = tl.constexpr(TILE_COLS * mx_format.BLOCK_SIZE)  # 128 channels: the 4 scale bytes of one word
 TILE_WORDS = tl.constexpr(TILE_ROWS * TILE_COLS // 4)  # 32-bit words per 512-byte scale tile
 MAX_PADDING_ROWS = tl.constexpr(2 * TILE_ROWS)  # a sequence leaves fewer than 256 scale rows without a token
 TMA_ALIGNMENT = 16  # bytes: TMA needs 16-byte-aligned bases and row strides
-FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 class Config(NamedTuple):
@@ -176,7 +175,7 @@ def _linear_kernel(
             tl.store(scale_words_ + row_word[:, None] + head_word[None, :], word, mask=word_inside)
 
             # Flag a non-finite block maximum without reducing the tile: the mask is almost always all false.
-            tl.store(nonfinite + tl.zeros_like(byte), amax, mask=~(amax <= FLOAT32_MAX))
+            flag_nonfinite(nonfinite, amax)
     elif QUANTIZE:  # the ``batch`` programs after the tiles
         zero_padding_rows(offsets, scale_words_, pid - m_tiles * n_tiles, n_features // D, words_per_head, n_col_tiles)
 

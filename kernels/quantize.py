@@ -51,6 +51,14 @@ def max_keeping_nan(x, axis: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def flag_nonfinite(nonfinite, magnitudes):
+    """The producers' NaN/Inf flag: store each of fp32 ``magnitudes`` (|x| maxima, any shape) that is
+    NaN or +Inf into ``nonfinite`` (fp32 ``[1]`` holding 0). A masked store, almost always masked off:
+    no atomics, and which non-finite value lands does not matter."""
+    tl.store(nonfinite + tl.zeros_like(magnitudes).to(tl.int32), magnitudes, mask=~(magnitudes <= FLOAT32_MAX))
+
+
+@triton.jit
 def block_scale_bytes(blocks, AXES: tl.constexpr, FLOOR: tl.constexpr, INTERPRET: tl.constexpr):
     """(int32 E8M0 bytes, fp32 maxima) of the blocks of fp32 ``blocks``: the maxima of their magnitudes
     reduced over ``AXES`` in turn (each an axis of what the previous reduction left).
@@ -185,8 +193,7 @@ def store_mxfp8(
     if CHECK_FINITE:
         # Reduced over the last axis only (inside a warp), then written by every holder of a
         # non-finite maximum: one exchange between warps fewer than a full reduction.
-        largest = max_keeping_nan(amax, len(amax.shape) - 1, INTERPRET)
-        tl.store(nonfinite + tl.zeros_like(largest).to(tl.int32), largest, mask=~(largest <= FLOAT32_MAX))
+        flag_nonfinite(nonfinite, max_keeping_nan(amax, len(amax.shape) - 1, INTERPRET))
 
 
 @triton.jit

@@ -42,6 +42,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from . import fp8, layout
+from .quantize import flag_nonfinite
 from .schedule import SLOT_TOKENS, slot_tiles
 
 # One padded slot: whole MX blocks (sequence-axis blocks never straddle programs), one whole key tile (PV_KEY_BITS).
@@ -141,7 +142,7 @@ def dequantized_feature_rows(
 
 @triton.jit
 def _rebase_feature_kernel(
-    src, scales, offsets, work, dst, factor, magnitude, n_groups, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, work, dst, factor, nonfinite, n_groups, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, CHECK_FINITE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -150,13 +151,13 @@ def _rebase_feature_kernel(
     or (from high-precision values) GROUP is the whole tile: its byte then comes from a first read of
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
-    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` folded into ``magnitude``."""
+    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``."""
     seq, tile, start, length, _, head = _claimed_tile(work, offsets, BLOCK_T, HEADS)
     if seq < 0:
         return
     slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
     tile_byte = 0
-    largest = 0
+    largest = 0.0
     FIRST_READ: tl.constexpr = not EXACT and GROUP > CHUNK
     if FIRST_READ:
         tl.static_assert(FROM_HIGH_PRECISION and GROUP == BLOCK_T)
@@ -165,7 +166,7 @@ def _rebase_feature_kernel(
             rows = chunk * CHUNK + tl.arange(0, CHUNK)
             x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
             amax = tl.maximum(amax, tl.max(_magnitudes(x, CHECK_FINITE)))
-        largest = amax.to(tl.int32, bitcast=True)  # what CHECK_FINITE folds in (NaN as +Inf)
+        largest = amax  # what CHECK_FINITE flags (NaN as +Inf)
         tile_byte = layout.scale_byte_of_amax(amax, FLOOR)
         tl.store(factor + head.to(tl.int64) * n_groups + (slot_start + tile * BLOCK_T) // GROUP,
                  layout.scale_value(tile_byte))
@@ -196,7 +197,7 @@ def _rebase_feature_kernel(
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
     if CHECK_FINITE:
-        layout.fold_max(magnitude, largest)
+        flag_nonfinite(nonfinite, largest)
 
 
 @triton.jit
@@ -210,9 +211,8 @@ def _magnitudes(x, CHECK_FINITE: tl.constexpr):
 
 @triton.jit
 def _largest_magnitude(x):
-    """int32 bits of the largest ``|x|`` of an fp32 tile, NaN counted as +Inf: what the NaN/Inf check
-    reads (non-negative floats order like their bits)."""
-    return tl.max(_magnitudes(x, True)).to(tl.int32, bitcast=True)
+    """The largest ``|x|`` of an fp32 tile, NaN counted as +Inf: what the NaN/Inf flag is formed from."""
+    return tl.max(_magnitudes(x, True))
 
 
 @triton.jit
@@ -271,13 +271,13 @@ def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T:
 
 @triton.jit
 def _sequence_exponent_kernel(
-    src, scales, offsets, work, exponent, magnitude, batch, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, work, exponent, nonfinite, batch, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr,
 ):
     """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
     (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone).
-    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` folded into ``magnitude``."""
+    CHECK_FINITE (high-precision values): the tile's channel maxima (NaN as +Inf) flagged in ``nonfinite``."""
     seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
                                                                              BLOCK_T, D, BLOCK_D)
     if seq < 0:
@@ -286,7 +286,7 @@ def _sequence_exponent_kernel(
         amax = tl.max(_magnitudes(_load_rows(src, head, start, rows, channels, length, HEADS, D), CHECK_FINITE),
                       axis=0)
         if CHECK_FINITE:
-            layout.fold_max(magnitude, tl.max(amax).to(tl.int32, bitcast=True))
+            flag_nonfinite(nonfinite, amax)
         largest = layout.scale_byte_of_amax(amax, FLOOR)
     else:
         largest = tl.max(_sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
@@ -326,7 +326,7 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
     return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
-def _rebase_feature(values, offsets, mx, rounding, group, exact, work, magnitude=None):
+def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite=None):
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
@@ -338,10 +338,10 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work, magnitude
     chunk = FEATURE_CHUNK if mx is None else TOKENS_PER_PROGRAM  # from MXFP8: whole slots
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0] * heads,)](
-            values, scales, offsets, work, data, factor, factor if magnitude is None else magnitude, n_groups,
+            values, scales, offsets, work, data, factor, factor if nonfinite is None else nonfinite, n_groups,
             per_head, col_tiles, HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
             FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
-            CHECK_FINITE=magnitude is not None, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
+            CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
         )
     return data, factor
 
@@ -351,7 +351,7 @@ def _fitted(config: dict, dim: int) -> dict:
     return config if dim % config["BLOCK_D"] == 0 else dict(config, BLOCK_D=dim)
 
 
-def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER, magnitude=None):
+def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER, nonfinite=None):
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
@@ -364,8 +364,8 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
         kind = "values" if mx is None else "mxfp8"
         exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
         _sequence_exponent_kernel[(work.shape[0] * heads * (dim // exponent_config["BLOCK_D"]),)](
-            values, scales, offsets, work, exponent, exponent if magnitude is None else magnitude, batch, per_head,
-            col_tiles, CHECK_FINITE=magnitude is not None, **common, **exponent_config
+            values, scales, offsets, work, exponent, exponent if nonfinite is None else nonfinite, batch, per_head,
+            col_tiles, CHECK_FINITE=nonfinite is not None, **common, **exponent_config
         )
         _rebase_sequence_kernel[(work.shape[0] * heads * (dim // config["BLOCK_D"]),)](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
@@ -386,13 +386,13 @@ def rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False) -> tupl
 
 
 def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1,
-                            exact: bool = False, magnitude: torch.Tensor | None = None):
+                            exact: bool = False, nonfinite: torch.Tensor | None = None):
     """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group, exact)``,
-    in one pass over bf16/fp16/fp32 ``values [total, H, D]``. ``magnitude`` (int32 ``[1]`` holding 0, or
-    more): the largest ``|value|`` is folded into it as fp32 bits, +Inf for NaN (for a NaN/Inf check)."""
+    in one pass over bf16/fp16/fp32 ``values [total, H, D]``. ``nonfinite`` (fp32 ``[1]`` holding 0): set to
+    NaN or Inf if ``values`` hold any (the producers' flag, ``quantize_mxfp8_kernel``'s)."""
     rounding = mx_format.check_rounding(rounding)
     return _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]),
-                           magnitude)
+                           nonfinite)
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,12 +417,12 @@ def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, v
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
-                       v_order=layout.NATURAL_ORDER, magnitudes: torch.Tensor | None = None):
+                       v_order=layout.NATURAL_ORDER, nonfinite: torch.Tensor | None = None):
     """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
-    with one tile list for both passes (``v_order`` as in :func:`rebase_kv`); ``magnitudes``: int32 ``[2]``
-    holding 0, for K's and V's largest magnitudes (``quantize_rebase_feature``'s ``magnitude``)."""
+    with one tile list for both passes (``v_order`` as in :func:`rebase_kv`); ``nonfinite``: fp32 ``[2]``
+    holding 0, K's and V's NaN/Inf flags (``quantize_rebase_feature``'s ``nonfinite``)."""
     work = slot_tiles(offsets, k.shape[0])
-    k_magnitude, v_magnitude = (None, None) if magnitudes is None else (magnitudes[:1], magnitudes[1:])
-    return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_magnitude),
-            *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_magnitude))
+    k_flag, v_flag = (None, None) if nonfinite is None else (nonfinite[:1], nonfinite[1:])
+    return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag),
+            *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag))
 
