@@ -1,5 +1,6 @@
 """jagged_attn: varlen (jagged) MXFP8 attention, forward and backward, for ragged batches."""
 
+from . import fused_ops, ops  # noqa: F401  (registers the torch.library ops: torch.ops.jagged_attn.*)
 from .interface import jagged_attention
 from .jagged import JaggedTensor
 from .mxfp8 import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_dual

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from .devices import on_device_of
-from .mxfp8 import finite_check_later, largest_magnitudes, quantize_mxfp8
+from .mxfp8 import checked_after, largest_magnitudes, quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
 BACKENDS = ("auto", "reference", "triton", "triton-fast", "exact")
@@ -63,11 +63,7 @@ def _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis="sequence"):
 
 def _with_finite_check(check_finite, q, k, v, forward):
     """``forward()``, with (if ``check_finite``) q, k, v's NaN/Inf check read once it is queued."""
-    finish = finite_check_later(largest_magnitudes((q, k, v)), ("q", "k", "v")) if check_finite else None
-    result = forward()
-    if finish is not None:
-        finish()
-    return result
+    return checked_after(largest_magnitudes((q, k, v)) if check_finite else None, ("q", "k", "v"), forward)
 
 
 def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite):

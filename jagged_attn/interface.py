@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from . import ops
 from .backends import BACKENDS, auto_backend_name, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_values
@@ -168,8 +169,6 @@ def jagged_attention(
     if v_axis != "sequence" and name != "reference":
         raise ValueError(f"per-token V scales (v_scaling='token' / v.axis='feature') need backend='reference', "
                          f"not {name!r}")
-
-    from . import ops  # registers the torch.library ops on first use
 
     if quantized:
         if not (_same_offsets(q.offsets, offsets_q) and _same_offsets(k.offsets, offsets_k)):

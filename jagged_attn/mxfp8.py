@@ -206,6 +206,16 @@ def finite_check_later(magnitudes: torch.Tensor, names):
     return finish
 
 
+def checked_after(magnitudes: torch.Tensor | None, names, run):
+    """``run()``, with the NaN/Inf check of ``magnitudes`` (see :func:`finite_check_later`; None: no
+    check) read once ``run`` has queued its kernels: raises ValueError naming the first non-finite one."""
+    finish = None if magnitudes is None else finite_check_later(magnitudes, names)
+    result = run()
+    if finish is not None:
+        finish()
+    return result
+
+
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(1)
 

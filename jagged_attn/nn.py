@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import fused_ops
 from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name
 from .interface import check_offsets_pair, jagged_attention, resolve_softmax_scale
 from .mxfp8 import check_finite_later
@@ -77,8 +78,6 @@ class JaggedAttention(nn.Module):
                                 backend=self.backend)
 
     def _attend_from_fused_producers(self, x, offsets, source, offsets_kv, backend):
-        from .fused_ops import prequantized_attention_op
-
         offsets_kv = offsets if offsets_kv is None else offsets_kv
         # The offsets before the producers use them (a wait only the first time a tensor is seen); after
         # them the producers' NaN/Inf flags of q and k and v's finiteness, copied to the host behind
@@ -90,7 +89,7 @@ class JaggedAttention(nn.Module):
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim)).to(q.dtype)
         finish_checks = check_finite_later((q_flag, k_flag, v), ("q", "k", "v"))
         softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
-        out, _ = prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets, offsets_kv,
+        out, _ = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets, offsets_kv,
                                            self.causal, softmax_scale, backend, False)
         finish_checks()
         return out
@@ -98,16 +97,14 @@ class JaggedAttention(nn.Module):
     def _quantized_projection(self, x, offsets, projection, norm_name, heads):
         """(bf16 ``[total, heads, head_dim]``, its MXFP8 data, scales, NaN/Inf flag): the projection,
         normalized if ``qk_norm``, from the producer kernel that also quantizes it."""
-        from .fused_ops import linear_quantize_op, rms_norm_quantize_op
-
         if not self.qk_norm:
             bias = projection.bias
-            return linear_quantize_op(x.to(torch.bfloat16), projection.weight.to(torch.bfloat16),
+            return fused_ops.linear_quantize_op(x.to(torch.bfloat16), projection.weight.to(torch.bfloat16),
                                       None if bias is None else bias.to(torch.bfloat16), offsets, heads)
         y = projection(x).unflatten(-1, (heads, self.head_dim)).to(torch.bfloat16)
         norm = getattr(self, norm_name)
         eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # what F.rms_norm uses for None
-        normalized, _, data, scales, nonfinite = rms_norm_quantize_op(y, norm.weight, offsets, eps)
+        normalized, _, data, scales, nonfinite = fused_ops.rms_norm_quantize_op(y, norm.weight, offsets, eps)
         return normalized, data, scales, nonfinite
 
     def _fuses_producers(self, x: torch.Tensor, backend: str) -> bool:

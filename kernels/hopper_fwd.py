@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jagged_attn.mxfp8 import MXFP8Jagged, finite_check_later, largest_magnitudes
+from jagged_attn.mxfp8 import MXFP8Jagged, checked_after, largest_magnitudes
 
 from . import fp8, hopper_fwd_ws, layout
 from .rebase import (
@@ -332,20 +332,8 @@ def attention_forward_hp(
     flags = torch.zeros(2, dtype=torch.float32, device=k.device) if check_finite else None  # k, v
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",
                                     nonfinite=flags)
-    finish = None
-    if check_finite:  # Q is quantized inside the kernel: its largest magnitude from a reduction of its own
-        finish = finite_check_later(torch.cat([largest_magnitudes((q,)), flags.to(torch.float64)]), ("q", "k", "v"))
-    result = _forward(
-        q,
-        None,
-        *rebased_kv,
-        offsets_q,
-        offsets_k,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        out_dtype=q.dtype if out_dtype is None else out_dtype,
-        config=config,
-    )
-    if finish is not None:
-        finish()
-    return result
+    # Q is quantized inside the kernel: its largest magnitude from a reduction of its own.
+    magnitudes = torch.cat([largest_magnitudes((q,)), flags.to(torch.float64)]) if check_finite else None
+    return checked_after(magnitudes, ("q", "k", "v"), lambda: _forward(
+        q, None, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
+        out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))

@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from jagged_attn.mxfp8 import finite_check_later
+from jagged_attn.mxfp8 import checked_after
 
 from . import layout
 from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
@@ -295,9 +295,6 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
                                         nonfinite=None if flags is None else flags[:1])
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
                                     nonfinite=None if flags is None else flags[1:])
-    finish = None if flags is None else finite_check_later(flags, ("q", "k", "v"))
-    result = _forward(*rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-                      out_dtype=q.dtype if out_dtype is None else out_dtype, config=config)
-    if finish is not None:
-        finish()
-    return result
+    return checked_after(flags, ("q", "k", "v"), lambda: _forward(
+        *rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
+        out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))
