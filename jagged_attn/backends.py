@@ -7,7 +7,7 @@ Every backend offers the same three entry points:
 * ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite) -> (out, lse)``
   on bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype; with
   ``check_finite`` raises ValueError for NaN/Inf in q, k or v, read once its kernels are queued: the
-  Hopper kernels take the magnitudes from their own pass over the inputs);
+  Hopper kernels flag NaN/Inf in their own pass over the inputs);
 * ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic)
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
 
