@@ -26,7 +26,7 @@ else:
     src = triton.compiler.ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
 options = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"], **spec["options"]}
 compiled = triton.compile(src, target=GPUTarget("cuda", spec["arch"], 32), options=options)
-sys.stdout.write(compiled.asm["ptx"])
+sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
 
@@ -40,9 +40,20 @@ def descriptor_type(descriptor) -> str:
     return f"tensordesc<{dtype}[{', '.join(map(str, descriptor.block_shape))}],{descriptor.layout!r}>"
 
 
-def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, arch: int = 90,
-                num_warps: int = 4, num_stages: int = 2, aligned=(), options=None, gluon: bool = False) -> str:
-    """PTX of ``module.kernel`` compiled for ``sm_{arch}``.
+# Shared memory one program may use on Hopper (H100 / H200: 227 KB); a kernel that needs more compiles
+# but fails at launch.
+HOPPER_SHARED_BYTES = 232448
+
+
+def compile_ptx(*args, **kwargs) -> str:
+    """PTX of a kernel compiled for a GPU target (the arguments of :func:`compile_kernel`)."""
+    return compile_kernel(*args, **kwargs)[0]
+
+
+def compile_kernel(module: str, kernel: str, signature: dict, constexprs: dict, *, arch: int = 90,
+                   num_warps: int = 4, num_stages: int = 2, aligned=(), options=None,
+                   gluon: bool = False) -> tuple[str, int]:
+    """(PTX, shared-memory bytes a launch needs) of ``module.kernel`` compiled for ``sm_{arch}``.
 
     ``signature`` maps every non-constexpr argument to a Triton type string (``"*fp8e4nv"``,
     ``"i32"``, ...) and constexpr arguments to ``"constexpr"``; ``constexprs`` gives their values.
@@ -57,7 +68,8 @@ def compile_ptx(module: str, kernel: str, signature: dict, constexprs: dict, *, 
                             env=env, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_{arch} failed:\n{result.stderr[-4000:]}")
-    return result.stdout
+    compiled = json.loads(result.stdout)
+    return compiled["ptx"], compiled["shared"]
 
 
 def divides(ptx: str) -> bool:

@@ -22,7 +22,7 @@ from jagged_attn.kernels.schedule import slot_tiles, tile_list
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.reference import reference_backward, reference_forward
 
-from compile_util import compile_ptx, descriptor_type, ptxas_report
+from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
 
 # What hopper_bwd._backward_into prepares for the Gluon kernel (dQ accumulated).
@@ -452,8 +452,9 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
                       **hopper_bwd_ws.tile_config(dim))
     signature.update({name: "constexpr" for name in constexprs})
-    ptx = compile_ptx("jagged_attn.kernels.hopper_bwd_ws", "_attention_backward_kernel", signature, constexprs,
-                      arch=90, gluon=True)
+    ptx, shared = compile_kernel("jagged_attn.kernels.hopper_bwd_ws", "_attention_backward_kernel", signature,
+                                 constexprs, arch=90, gluon=True)
+    assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
     fp8 = {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in ((dim,) if exact_scores else (64, dim))}
     if accumulate_dq:  # the dQ warpgroup's pieces: N = DQ_PIECE

@@ -23,7 +23,7 @@ from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
 from jagged_attn.mxfp8 import element_scale_bytes
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_seq_start, sequence_ids
-from compile_util import compile_ptx, descriptor_type, ptxas_report
+from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
 
 O_TOLERANCE = 1e-2  # relative L2 of O against the reference on the same MXFP8 inputs
 LSE_TOLERANCE = 1e-3  # absolute
@@ -509,8 +509,9 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
     signature.update({name: "constexpr" for name in constexprs})
-    ptx = compile_ptx("jagged_attn.kernels.hopper_fwd_ws", "_attention_forward_kernel", signature, constexprs,
-                      arch=90, gluon=True)
+    ptx, shared = compile_kernel("jagged_attn.kernels.hopper_fwd_ws", "_attention_forward_kernel", signature,
+                                 constexprs, arch=90, gluon=True)
+    assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     fp8_mma = [line for line in wgmma if "e4m3.e4m3" in line]
     bf16_mma = [line for line in wgmma if "bf16.bf16" in line]
