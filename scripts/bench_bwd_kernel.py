@@ -1,0 +1,96 @@
+"""Benchmark: where a training step's time goes, and the Hopper backward's Gluon kernel alone.
+
+On ``bench.py``'s workloads (head_dim 128):
+
+* ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``triton``,
+  forward + backward through autograd; ``torch.profiler`` over five steps), largest first;
+* otherwise: the Gluon backward kernel alone (``hopper_bwd_ws.launch``, the producers run once
+  beforehand), with dQ accumulated or not (``--no-dq``), as median ms and TFLOP/s, with the sums of
+  ``|dQ|``, ``|dK|``, ``|dV|`` so that two versions' outputs can be compared.
+
+To compare two versions side by side, run it twice in one device call, the second time on the other
+version's package (``git archive`` of its ``jagged_attn`` and ``kernels``, the latter copied to
+``jagged_attn/kernels``) with ``PYTHONPATH=<that folder>:scripts python3 -P scripts/bench_bwd_kernel.py``
+(``-P``: not this checkout's package from the working directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench import WORKLOADS, Workload, median_ms
+
+HEAD_DIM = 128
+
+
+def profile_step(w: Workload) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from jagged_attn import jagged_attention
+
+    leaves = [x.detach().requires_grad_() for x in (w.q, w.k, w.v)]
+
+    def step():
+        out = jagged_attention(*leaves, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
+                               backend="triton")
+        torch.autograd.grad(out, leaves, w.dout)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    steps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.device_time_total / 1e3 / steps, e.count // steps, e.key) for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0), reverse=True)
+    print(f"== {w.name}: kernel time per step {sum(k[0] for k in kernels):.2f} ms "
+          f"(wall step {median_ms(step):.2f} ms)")
+    for ms, count, name in kernels[:14]:
+        print(f"  {ms:7.3f} ms x{count:<3d} {name[:110]}")
+
+
+def time_backward_kernel(w: Workload, accumulate_dq: bool) -> None:
+    from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws
+
+    out = torch.randn_like(w.q)
+    lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
+    prep = hopper_bwd._Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, exact_scores=True,
+                                **hopper_bwd.gluon_preparation(not accumulate_dq))
+    dq_accum = torch.zeros(w.q.shape[0] + hopper_bwd_ws.BLOCK_M.value, w.heads, w.dim, device="cuda")
+    dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
+
+    def kernel():
+        hopper_bwd_ws.launch(prep, dq_accum, dk, dv, softmax_scale=w.scale, causal=w.causal,
+                             accumulate_dq=accumulate_dq)
+
+    kernel()
+    sums = " ".join(f"{float(x.double().abs().sum()):.6e}" for x in (dq_accum, dk, dv))
+    ms = median_ms(kernel)
+    print(f"{w.name:28s} dQ={accumulate_dq!s:5s} kernel {ms:7.3f} ms = {w.tflops('bwd', ms):5.0f} TFLOP/s"
+          f"  |dQ| |dK| |dV| sums {sums}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", action="store_true", help="time per kernel of a training step")
+    parser.add_argument("--no-dq", action="store_true", help="the backward kernel without dQ")
+    parser.add_argument("--workloads", nargs="*", help="names of bench.py workloads (default: all)")
+    args = parser.parse_args()
+    from jagged_attn.kernels import hopper_bwd_ws
+
+    print("kernels from", hopper_bwd_ws.__file__)
+    for name, lengths, heads, causal, dense in WORKLOADS:
+        if args.workloads and name not in args.workloads:
+            continue
+        w = Workload(name, lengths, heads, causal, dense, HEAD_DIM)
+        if args.profile:
+            profile_step(w)
+        else:
+            time_backward_kernel(w, accumulate_dq=not args.no_dq)
+
+
+if __name__ == "__main__":
+    main()
