@@ -89,8 +89,8 @@ class JaggedAttention(nn.Module):
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim)).to(q.dtype)
         finish_checks = check_finite_later((q_flag, k_flag, v), ("q", "k", "v"))
         softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
-        out, _ = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets, offsets_kv,
-                                           self.causal, softmax_scale, backend, False)
+        out, _ = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets,
+                                                     offsets_kv, self.causal, softmax_scale, backend, False)
         finish_checks()
         return out
 
@@ -100,7 +100,7 @@ class JaggedAttention(nn.Module):
         if not self.qk_norm:
             bias = projection.bias
             return fused_ops.linear_quantize_op(x.to(torch.bfloat16), projection.weight.to(torch.bfloat16),
-                                      None if bias is None else bias.to(torch.bfloat16), offsets, heads)
+                                                None if bias is None else bias.to(torch.bfloat16), offsets, heads)
         y = projection(x).unflatten(-1, (heads, self.head_dim)).to(torch.bfloat16)
         norm = getattr(self, norm_name)
         eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # what F.rms_norm uses for None
