@@ -1,5 +1,8 @@
 """jagged_attention: input forms, dtypes, autograd, torch.library / torch.compile, bad input."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -64,6 +67,17 @@ def test_torch_library_opcheck():
     args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False, "sequence", True]
     torch.library.opcheck(torch.ops.jagged_attn.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_import_registers_the_torch_library_ops():
+    """``import jagged_attn`` alone makes ``torch.ops.jagged_attn.*`` available (a fresh process: in this
+    one earlier tests have called them); they were once registered on the first call."""
+    script = ("import torch, jagged_attn\n"
+              "for name in ('attention', 'mxfp8_attention', 'attention_backward', 'linear_quantize',\n"
+              "             'rms_norm_quantize', 'prequantized_attention'):\n"
+              "    getattr(torch.ops.jagged_attn, name)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_torch_compile_fullgraph_forward_backward():
