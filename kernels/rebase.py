@@ -42,7 +42,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from . import fp8, layout
-from .quantize import flag_nonfinite
+from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from .schedule import SLOT_TOKENS, slot_tiles
 
 # One padded slot: whole MX blocks (sequence-axis blocks never straddle programs), one whole key tile (PV_KEY_BITS).
@@ -91,7 +91,7 @@ def feature_rows(
     """
     x = tl.reshape(_load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D), (BLOCK_T, D // 32, 32))
     if FROM_HIGH_PRECISION:
-        byte = layout.scale_byte_of_amax(tl.max(tl.abs(x), axis=2), FLOOR)
+        byte, _ = block_scale_bytes(x, (2,), FLOOR, INTERPRET)
         x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
     else:
         padded_rows = layout.padded_seq_start(start, seq) + rows
@@ -165,8 +165,8 @@ def _rebase_feature_kernel(
         for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
             rows = chunk * CHUNK + tl.arange(0, CHUNK)
             x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
-            amax = tl.maximum(amax, tl.max(_magnitudes(x, CHECK_FINITE)))
-        largest = amax  # what CHECK_FINITE flags (NaN as +Inf)
+            amax = tl.maximum(amax, _largest_magnitude(x, INTERPRET), propagate_nan=tl.PropagateNan.ALL)
+        largest = amax  # what CHECK_FINITE flags
         tile_byte = layout.scale_byte_of_amax(amax, FLOOR)
         tl.store(factor + head.to(tl.int64) * n_groups + (slot_start + tile * BLOCK_T) // GROUP,
                  layout.scale_value(tile_byte))
@@ -192,7 +192,8 @@ def _rebase_feature_kernel(
                  mask=(rows < length)[:, None])
         if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
             largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
-                                                                        length, HEADS, D)))
+                                                                        length, HEADS, D), INTERPRET),
+                                 propagate_nan=tl.PropagateNan.ALL)
     if EXACT:
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
@@ -201,18 +202,11 @@ def _rebase_feature_kernel(
 
 
 @triton.jit
-def _magnitudes(x, CHECK_FINITE: tl.constexpr):
-    """``|x|``, with NaN as +Inf where CHECK_FINITE (``tl.max`` drops NaN; +Inf keeps it visible to the
-    check, and a non-finite input's scale bytes are then the check's business, not the rule's)."""
-    if CHECK_FINITE:
-        return tl.where(x == x, tl.abs(x), float("inf"))
-    return tl.abs(x)
-
-
-@triton.jit
-def _largest_magnitude(x):
-    """The largest ``|x|`` of an fp32 tile, NaN counted as +Inf: what the NaN/Inf flag is formed from."""
-    return tl.max(_magnitudes(x, True))
+def _largest_magnitude(x, INTERPRET: tl.constexpr):
+    """The largest ``|x|`` of an fp32 tile ``[rows, channels]``, NaN if it holds one (``tl.max`` drops
+    NaN): what the NaN/Inf flag is formed from (a non-finite input's scale bytes are then the check's
+    business, not the rule's)."""
+    return max_keeping_nan(max_keeping_nan(tl.abs(x), 1, INTERPRET), 0, INTERPRET)
 
 
 @triton.jit
@@ -238,12 +232,6 @@ def _load_rows(src, head, start, rows, channels, length, HEADS: tl.constexpr, D:
     """fp32 ``[len(rows), len(channels)]`` of one head at sequence rows ``rows`` (0 past ``length``)."""
     element = _row_elements(head, start, rows, channels, HEADS, D)
     return tl.load(src + element, mask=(rows < length)[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _sequence_bytes_of_values(x, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FLOOR: tl.constexpr):
-    """int32 ``[BLOCK_T / 32, BLOCK_D]`` bytes of the 32-token blocks of fp32 rows ``x [BLOCK_T, BLOCK_D]``."""
-    return layout.scale_byte_of_amax(tl.max(tl.abs(tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D))), axis=1), FLOOR)
 
 
 @triton.jit
@@ -273,18 +261,17 @@ def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T:
 def _sequence_exponent_kernel(
     src, scales, offsets, work, exponent, nonfinite, batch, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
     (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone).
-    CHECK_FINITE (high-precision values): the tile's channel maxima (NaN as +Inf) flagged in ``nonfinite``."""
+    CHECK_FINITE (high-precision values): a non-finite channel maximum flagged in ``nonfinite``."""
     seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
                                                                              BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
     if FROM_HIGH_PRECISION:
-        amax = tl.max(_magnitudes(_load_rows(src, head, start, rows, channels, length, HEADS, D), CHECK_FINITE),
-                      axis=0)
+        amax = max_keeping_nan(tl.abs(_load_rows(src, head, start, rows, channels, length, HEADS, D)), 0, INTERPRET)
         if CHECK_FINITE:
             flag_nonfinite(nonfinite, amax)
         largest = layout.scale_byte_of_amax(amax, FLOOR)
@@ -306,8 +293,9 @@ def _rebase_sequence_kernel(
         return
     x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
     if FROM_HIGH_PRECISION:
-        byte = _sequence_bytes_of_values(x, BLOCK_T, BLOCK_D, FLOOR)
-        x = quantize_on_bytes(tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D)), byte[:, None, :], INTERPRET)
+        x = tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D))  # each channel's 32-token blocks
+        byte, _ = block_scale_bytes(x, (1,), FLOOR, INTERPRET)
+        x = quantize_on_bytes(x, byte[:, None, :], INTERPRET)
     else:
         byte = _sequence_bytes_from_scales(scales, head, seq, start, length, tile * BLOCK_T, channels,
                                            scale_bytes_per_head, n_col_tiles, BLOCK_T)
@@ -365,7 +353,7 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
         exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
         _sequence_exponent_kernel[(work.shape[0] * heads * (dim // exponent_config["BLOCK_D"]),)](
             values, scales, offsets, work, exponent, exponent if nonfinite is None else nonfinite, batch, per_head,
-            col_tiles, CHECK_FINITE=nonfinite is not None, **common, **exponent_config
+            col_tiles, CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **common, **exponent_config
         )
         _rebase_sequence_kernel[(work.shape[0] * heads * (dim // config["BLOCK_D"]),)](
             values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,

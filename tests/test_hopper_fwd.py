@@ -332,7 +332,7 @@ def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90():
     same tile took 143)."""
     names = rebase._sequence_exponent_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
-                      CHECK_FINITE=True, BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
+                      CHECK_FINITE=True, INTERPRET=False, BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", nonfinite="*fp32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
     ptx = compile_ptx("jagged_attn.kernels.rebase", "_sequence_exponent_kernel", signature, constexprs, arch=90,
