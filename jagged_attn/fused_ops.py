@@ -16,8 +16,9 @@
 
 The MXFP8 outputs are not differentiable: gradients reach the producers through the
 high-precision outputs only. Inputs are validated by the caller (``nn.JaggedAttention``: the offsets
-before the producers run; the producers' flags (fp32 ``[1]``, NaN/Inf if the result holds any) and v's
-finiteness once the attention is queued), so the ops themselves wait for nothing.
+before the producers run; the producers' flags (fp32 ``[1]``, NaN/Inf if the result holds any) go to
+``prequantized_attention``, which adds V's and reads them once the attention is queued), so nothing
+waits for the device before the kernels are queued.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from .backends import get_backend
 from .devices import on_device_of
-from .mxfp8 import MXFP8Jagged, quantize_mxfp8, scale_matrix_shape
+from .mxfp8 import MXFP8Jagged, checked_after, quantize_flagging_nonfinite, scale_matrix_shape
 from .offsets import value_checks
 from .ops import attention_gradients, save_for_attention_backward
 from .scale_layout import tiled_bytes
@@ -141,11 +142,13 @@ rms_norm_quantize_op.register_autograd(_rms_norm_backward, setup_context=_rms_no
 def prequantized_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_data: torch.Tensor, q_scales: torch.Tensor,
     k_data: torch.Tensor, k_scales: torch.Tensor, offsets_q: torch.Tensor, offsets_k: torch.Tensor, causal: bool,
-    softmax_scale: float, backend: str, deterministic: bool,
+    softmax_scale: float, backend: str, deterministic: bool, qk_nonfinite: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """High-precision ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` and the feature-axis MXFP8
     of q and k (rceil) -> (out like q, lse fp32 ``[total_q, Hq]``). The forward reads q, k only
-    through their MXFP8; ``deterministic`` only matters to the backward.
+    through their MXFP8; ``deterministic`` only matters to the backward. ``qk_nonfinite``: q's and k's
+    producer flags (fp32 ``[2]``), to raise ValueError for NaN/Inf in q, k or v (V's flag from its
+    quantization here), read once the attention is queued; None: no check.
 
     V is quantized along the sequence axis here, then the backend's MXFP8 forward rebases it: the
     same bytes as quantizing it inside the rebasing passes (``attention_forward_hp``: bf16 V read
@@ -154,25 +157,28 @@ def prequantized_attention_op(
     with value_checks(False):  # the caller checks offsets and values (module docstring)
         q_mx = MXFP8Jagged(q_data, q_scales, offsets_q, "feature")
         k_mx = MXFP8Jagged(k_data, k_scales, offsets_k, "feature")
-        v_mx = quantize_mxfp8(v, offsets_k, axis="sequence")
-        return get_backend(backend).forward_mx(q_mx, k_mx, v_mx, causal, softmax_scale, q.dtype)
+        v_nonfinite = torch.zeros(1, dtype=torch.float32, device=v.device)
+        v_mx = quantize_flagging_nonfinite(v, offsets_k, "sequence", v_nonfinite)
+        flags = None if qk_nonfinite is None else torch.cat([qk_nonfinite, v_nonfinite])
+        return checked_after(flags, ("q", "k", "v"), lambda: get_backend(backend).forward_mx(
+            q_mx, k_mx, v_mx, causal, softmax_scale, q.dtype))
 
 
 @prequantized_attention_op.register_fake
 def _(q, k, v, q_data, q_scales, k_data, k_scales, offsets_q, offsets_k, causal, softmax_scale, backend,
-      deterministic):
+      deterministic, qk_nonfinite=None):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, _, _, _, _, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic = inputs
+    q, k, v, _, _, _, _, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, _ = inputs
     ctx.mark_non_differentiable(output[1])
     save_for_attention_backward(ctx, q, k, v, *output, offsets_q, offsets_k, causal, softmax_scale, backend,
                                 deterministic)
 
 
 def _attention_backward(ctx, dout, dlse):
-    return *attention_gradients(ctx, dout), *([None] * 10)
+    return *attention_gradients(ctx, dout), *([None] * 11)
 
 
 prequantized_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)

@@ -167,15 +167,6 @@ def check_finite(x: torch.Tensor, name: str) -> None:
         raise nonfinite_error(name)
 
 
-def check_finite_later(tensors, names):
-    """:func:`check_finite` of each of ``tensors`` (named by ``names``) without waiting now: returns
-    ``finish``, to be called once the kernels that read them are queued (:func:`finite_check_later`)."""
-    checked = [(x, name) for x, name in zip(tensors, names) if not skip_value_check(x)]
-    if not checked:
-        return lambda: None
-    return finite_check_later(largest_magnitudes([x for x, _ in checked]), [name for _, name in checked])
-
-
 def largest_magnitudes(tensors) -> torch.Tensor:
     """float64 ``[len(tensors)]`` of their :func:`max_magnitude`, formed without waiting."""
     return torch.stack([max_magnitude(x).to(torch.float64) for x in tensors])
@@ -237,13 +228,22 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     return mx
 
 
+def quantize_flagging_nonfinite(values, offsets, axis: str, nonfinite: torch.Tensor) -> MXFP8Jagged:
+    """:func:`quantize_mxfp8` (rceil) whose NaN/Inf check is left to the caller: NaN or Inf in ``values``
+    sets ``nonfinite`` (fp32 ``[1]`` holding 0) instead of raising, so nothing waits for the device
+    (:func:`finite_check_later` reads it once later kernels are queued)."""
+    (mx,) = _quantize_axes(values, offsets, (axis,), "rceil", False, nonfinite)
+    return mx
+
+
 def quantize_mxfp8_dual(values, offsets=None, *, rounding: str = "rceil") -> tuple[MXFP8Jagged, MXFP8Jagged]:
     """Both layouts of one tensor, ``(feature-axis, sequence-axis)`` MXFP8Jagged, as two
     :func:`quantize_mxfp8` calls would give them; on CUDA one read of ``values`` makes both."""
     return _quantize_axes(values, offsets, AXES, rounding, False)
 
 
-def _quantize_axes(values, offsets, axes, rounding, compile):
+def _quantize_axes(values, offsets, axes, rounding, compile, nonfinite=None):
+    """The quantizers of ``axes``; NaN/Inf in the block maxima raise, or set ``nonfinite`` if given."""
     check_values(values, "values", finite=False)  # the block maxima are checked instead
     mx_format.check_rounding(rounding)
     total = values.shape[0]
@@ -254,25 +254,37 @@ def _quantize_axes(values, offsets, axes, rounding, compile):
         raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
     x = _as_3d(values)
     if x.is_cuda and not values_unavailable(x):
-        results = _quantize_with_kernel(x, offsets, axes, rounding)
+        results = _quantize_with_kernel(x, offsets, axes, rounding, nonfinite)
     else:
         quantizers = {"feature": _quantize_feature, "sequence": _quantize_sequence}
-        results = [quantizers[axis](x, offsets, rounding, compile) for axis in axes]
+        results = [quantizers[axis](x, offsets, rounding, compile, nonfinite) for axis in axes]
     return tuple(
         MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
         for axis, (data, scales) in zip(axes, results)
     )
 
 
-def _quantize_with_kernel(x, offsets, axes, rounding):
+def _quantize_with_kernel(x, offsets, axes, rounding, nonfinite):
     """CUDA tensors: the fused one-pass Triton kernel (bit-identical to the torch reference below)."""
     from .kernels.quantize import quantize_mxfp8_kernel  # imported here: the kernels import this module
 
-    nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
+    flag = torch.zeros(1, dtype=torch.float32, device=x.device) if nonfinite is None else nonfinite
     with on_device_of(x):
-        results = quantize_mxfp8_kernel(x, offsets, axes=axes, rounding=rounding, nonfinite=nonfinite)
-    check_finite(nonfinite, "values")
+        results = quantize_mxfp8_kernel(x, offsets, axes=axes, rounding=rounding, nonfinite=flag)
+    if nonfinite is None:
+        check_finite(flag, "values")
     return results
+
+
+def _check_or_flag(amax: torch.Tensor, nonfinite) -> None:
+    """Raise for NaN/Inf in the block maxima ``amax`` (a wait for the device), or, given the fp32 ``[1]``
+    flag ``nonfinite``, add a non-finite value to it (nothing otherwise) for the caller to read later,
+    as the kernel's flag does."""
+    if nonfinite is None:
+        check_finite(amax, "values")
+    else:
+        largest = max_magnitude(amax).reshape(1).to(torch.float32)
+        nonfinite.add_(torch.where(torch.isfinite(largest), 0.0, largest))
 
 
 def _feature_blocks(x, rounding: str):
@@ -302,10 +314,10 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-def _quantize_feature(x, offsets, rounding, compile):
+def _quantize_feature(x, offsets, rounding, compile, nonfinite=None):
     total, heads, dim = x.shape
     data, byte, amax = (_compiled(_feature_blocks) if compile else _feature_blocks)(x, rounding)
-    check_finite(amax, "values")
+    _check_or_flag(amax, nonfinite)
     rows, cols = scale_matrix_shape("feature", total, offsets.numel() - 1, dim)
     matrix = torch.zeros(heads, rows, cols, dtype=torch.uint8, device=x.device)
     token_rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
@@ -318,12 +330,12 @@ def sequence_block_columns(offsets: torch.Tensor, total: int) -> torch.Tensor:
     return padded_rows_of_tokens(offsets, sequence_ids(offsets, total)) // BLOCK_SIZE
 
 
-def _quantize_sequence(x, offsets, rounding, compile):
+def _quantize_sequence(x, offsets, rounding, compile, nonfinite=None):
     total, _, dim = x.shape
     _, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
     rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
     data, byte, amax = (_compiled(_sequence_blocks) if compile else _sequence_blocks)(x, rows, cols, rounding)
-    check_finite(amax, "values")
+    _check_or_flag(amax, nonfinite)
     return data, to_tiles(byte.to(torch.uint8).permute(1, 2, 0))  # [H, D, cols]: rows are the D channels
 
 

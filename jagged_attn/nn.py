@@ -8,7 +8,7 @@ from torch import nn
 from . import fused_ops
 from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name
 from .interface import check_offsets_pair, jagged_attention, resolve_softmax_scale
-from .mxfp8 import check_finite_later
+from .offsets import skip_value_check
 
 
 class JaggedAttention(nn.Module):
@@ -80,18 +80,18 @@ class JaggedAttention(nn.Module):
     def _attend_from_fused_producers(self, x, offsets, source, offsets_kv, backend):
         offsets_kv = offsets if offsets_kv is None else offsets_kv
         # The offsets before the producers use them (a wait only the first time a tensor is seen); after
-        # them the producers' NaN/Inf flags of q and k and v's finiteness, copied to the host behind
-        # the producers and read once the attention is queued.
+        # them the producers' NaN/Inf flags of q and k, which the attention op reads with V's (from its
+        # quantization) once it has queued its kernels.
         check_offsets_pair(offsets, x.shape[0], offsets_kv, source.shape[0], x.device, names=("offsets", "offsets_kv"))
         q, q_data, q_scales, q_flag = self._quantized_projection(x, offsets, self.q_proj, "q_norm", self.num_heads)
         k, k_data, k_scales, k_flag = self._quantized_projection(source, offsets_kv, self.k_proj, "k_norm",
                                                                  self.num_kv_heads)
         v = self.v_proj(source).unflatten(-1, (self.num_kv_heads, self.head_dim)).to(q.dtype)
-        finish_checks = check_finite_later((q_flag, k_flag, v), ("q", "k", "v"))
+        qk_nonfinite = None if skip_value_check(q_flag) else torch.cat([q_flag, k_flag])
         softmax_scale = resolve_softmax_scale(self.softmax_scale, self.head_dim)
         out, _ = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, offsets,
-                                                     offsets_kv, self.causal, softmax_scale, backend, False)
-        finish_checks()
+                                                     offsets_kv, self.causal, softmax_scale, backend, False,
+                                                     qk_nonfinite)
         return out
 
     def _quantized_projection(self, x, offsets, projection, norm_name, heads):

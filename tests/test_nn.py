@@ -217,8 +217,9 @@ def _calls_of(monkeypatch, name):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fused_layer_rejects_nonfinite_projections(qk_norm):
-    """The fused path's producers run without their own checks (fused_ops' docstring): the layer checks
-    q, k and v itself, naming the first non-finite one, and ``value_checks(False)`` skips that."""
+    """The fused path's producers run without their own checks (fused_ops' docstring): their flags of q
+    and k and V's from its quantization are read by the attention op, which names the first non-finite
+    one; ``value_checks(False)`` skips that."""
     fused, _ = _bf16_pair(dict(backend="reference", qk_norm=qk_norm), num_heads=2, head_dim=64)
     offsets = offsets_from_lengths(torch.tensor([3, 40]))
     x = torch.randn(43, 96, dtype=torch.bfloat16)
