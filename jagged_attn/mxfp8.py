@@ -172,38 +172,29 @@ def largest_magnitudes(tensors) -> torch.Tensor:
     return torch.stack([max_magnitude(x).to(torch.float64) for x in tensors])
 
 
-def finite_check_later(magnitudes: torch.Tensor, names):
-    """``finish`` of the NaN/Inf check of inputs whose largest magnitudes (a float tensor, one per name,
-    NaN or Inf where an input holds one) are being formed: NaN/Inf cannot send a kernel out of bounds,
-    so the check need not come first. The magnitudes go to pinned host memory in a copy queued behind
-    what forms them; ``finish``, called once the kernels that read the inputs are queued, waits for that
-    copy alone, not for the kernels queued after it (a wait drains the GPU's queue, which then idles
-    while the host launches what follows: reading the check after the kernels took 0.25-0.68 ms off an
-    H200 training step, docs/PERF.md v16), and raises for the first non-finite one."""
+def checked_after(magnitudes: torch.Tensor | None, names, run):
+    """``run()``, with the NaN/Inf check of the inputs whose largest magnitudes (a float tensor, one per
+    name, NaN or Inf where an input holds one; None: no check) are being formed, read once ``run`` has
+    queued the kernels that read them: raises ValueError naming the first non-finite one. NaN/Inf cannot
+    send a kernel out of bounds, so the check need not come first. The magnitudes go to pinned host
+    memory in a copy queued behind what forms them, and the host waits for that copy alone, not for the
+    kernels queued after it (a wait drains the GPU's queue, which then idles while the host launches
+    what follows: reading the check after the kernels took 0.25-0.68 ms off an H200 training step,
+    docs/PERF.md v16)."""
+    if magnitudes is None:
+        return run()
     copied = None
     if magnitudes.is_cuda:
         device = magnitudes.device
         magnitudes = magnitudes.to("cpu", non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(device))  # the copy's stream, whichever device is current
-
-    def finish():
-        if copied is not None:
-            copied.synchronize()
-        for name, magnitude in zip(names, magnitudes.tolist()):
-            if not math.isfinite(magnitude):
-                raise nonfinite_error(name)
-
-    return finish
-
-
-def checked_after(magnitudes: torch.Tensor | None, names, run):
-    """``run()``, with the NaN/Inf check of ``magnitudes`` (see :func:`finite_check_later`; None: no
-    check) read once ``run`` has queued its kernels: raises ValueError naming the first non-finite one."""
-    finish = None if magnitudes is None else finite_check_later(magnitudes, names)
     result = run()
-    if finish is not None:
-        finish()
+    if copied is not None:
+        copied.synchronize()
+    for name, magnitude in zip(names, magnitudes.tolist()):
+        if not math.isfinite(magnitude):
+            raise nonfinite_error(name)
     return result
 
 
@@ -231,7 +222,7 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
 def quantize_flagging_nonfinite(values, offsets, axis: str, nonfinite: torch.Tensor) -> MXFP8Jagged:
     """:func:`quantize_mxfp8` (rceil) whose NaN/Inf check is left to the caller: NaN or Inf in ``values``
     sets ``nonfinite`` (fp32 ``[1]`` holding 0) instead of raising, so nothing waits for the device
-    (:func:`finite_check_later` reads it once later kernels are queued)."""
+    (:func:`checked_after` reads it once later kernels are queued)."""
     (mx,) = _quantize_axes(values, offsets, (axis,), "rceil", False, nonfinite)
     return mx
 
