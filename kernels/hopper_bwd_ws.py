@@ -401,9 +401,29 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dv_scale = gl.load(dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
     k_row_factor = gl.load(k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows, mask=key_in, other=0.0)
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
-    out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
-    gl.store(dk + out_offsets, dk_rows.to(dk.dtype.element_ty), mask=key_in[:, None])
-    gl.store(dv + out_offsets, (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty), mask=key_in[:, None])
+    dk_out = dk_rows.to(dk.dtype.element_ty)
+    dv_out = (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty)
+    if EXACT:
+        # Through this consumer's K and V buffers (free after the last step's wgmmas; bf16 [64, D] on
+        # the exact path), then stored from a layout in which each warp writes whole rows, 16 bytes per
+        # thread: straight from the wgmma layout (16-byte pieces of 8 rows per instruction) these stores
+        # took 1.25 of the ads batch's 5.25 ms (docs/PERF.md v18).
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+        k_stage = k_smem._reinterpret(dk.dtype.element_ty, [KEYS, D], k_smem.layout)
+        v_stage = v_smem._reinterpret(dv.dtype.element_ty, [KEYS, D], v_smem.layout)
+        k_stage.store(dk_out)
+        v_stage.store(dv_out)
+        gl.thread_barrier()
+        store_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, rows_layout))
+        store_channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
+        staged_offsets = ((k_start + store_rows) * HEADS_KV + kv_head)[:, None] * D + store_channels[None, :]
+        store_mask = (store_rows < len_k)[:, None]
+        gl.store(dk + staged_offsets, k_stage.load(rows_layout), mask=store_mask)
+        gl.store(dv + staged_offsets, v_stage.load(rows_layout), mask=store_mask)
+    else:
+        out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
+        gl.store(dk + out_offsets, dk_out, mask=key_in[:, None])
+        gl.store(dv + out_offsets, dv_out, mask=key_in[:, None])
 
 
 @gluon.jit
