@@ -585,6 +585,28 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(case, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_gluon_kernel_gradients_in_other_dtypes(dtype):
+    """Gradients come in the inputs' dtype: fp16 dK and dV go through the consumers' K and V buffers as
+    bf16 ones do (each buffer holds one 16-bit tile), fp32 ones (twice that) are stored directly. Both
+    written everywhere (NaN-poisoned) and within test_gpu_gluon_kernel_matches_the_triton_kernel's bound
+    of the Triton kernel, on cross-attention with GQA and partial key tiles."""
+    lengths_q, lengths_k, heads_q, heads_kv, dim = GLUON_CASES[1]
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, device="cuda",
+                                                      dtype=dtype)
+    scale = dim**-0.5
+    for causal in (False, True):
+        out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+        triton_grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, True,
+                                    **hopper_bwd.GPU_TRITON_CONFIG)
+        grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, kernel="gluon",
+                             exact_scores=True)
+        for name, g, t in zip(("dq", "dk", "dv"), grads, triton_grads):
+            assert g.dtype == dtype and torch.isfinite(g).all(), f"{name} causal={causal}: unwritten (NaN) elements"
+            assert rel_l2(g, t) < 1e-2, f"{name} causal={causal}: rel-L2 {rel_l2(g, t):.3e} vs Triton"
+
+
+@pytest.mark.gpu
 def test_gpu_mxfp8_vs_bf16_gradients():
     """How far MXFP8 gradients are from fp64, next to BF16 attention's (torch SDPA) gradients."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
