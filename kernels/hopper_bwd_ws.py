@@ -403,13 +403,13 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
     dk_out = dk_rows.to(dk.dtype.element_ty)
     dv_out = (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty)
-    if EXACT and dk.dtype.element_ty.primitive_bitwidth == 16:
-        # Through this consumer's K and V buffers (free after the last step's wgmmas; bf16 [64, D] on
-        # the exact path), then stored from a layout in which each warp writes whole rows, 16 bytes per
-        # thread: straight from the wgmma layout (16-byte pieces of 8 rows per instruction) these stores
-        # took 1.25 of the ads batch's 5.25 ms (docs/PERF.md v18); staged, that kernel takes 4.43 (v19).
-        # A buffer holds one 16-bit tile: the FP8 path's (e4m3) half of one and fp32 gradients twice
-        # that, so those store directly.
+    if dk.dtype.element_ty.primitive_bitwidth == k_smem.dtype.primitive_bitwidth:
+        # Where a gradient tile has the bytes of this consumer's K and V buffers (free after the last
+        # step's wgmmas): bf16 copies (the exact path) and 16-bit gradients; not the FP8 path's e4m3
+        # buffers, nor fp32 gradients. Through them, then stored from a layout in which each warp writes
+        # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
+        # instruction) these stores took 1.25 of the ads batch's 5.25 ms (docs/PERF.md v18); staged,
+        # that kernel takes 4.43 (v19).
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         k_stage = k_smem._reinterpret(dk.dtype.element_ty, [KEYS, D], k_smem.layout)
         v_stage = v_smem._reinterpret(dv.dtype.element_ty, [KEYS, D], v_smem.layout)
