@@ -265,12 +265,15 @@ def test_nested_tensors_in_and_out_match_sdpa(heads_first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "triton-fast", "exact"])
-def test_gpu_backends_through_the_public_api(backend):
+@pytest.mark.parametrize("backend, dtype", [("auto", torch.bfloat16), ("auto", torch.float16), ("auto", torch.float32),
+                                            ("triton-fast", torch.bfloat16), ("triton-fast", torch.float32),
+                                            ("exact", torch.bfloat16)])
+def test_gpu_backends_through_the_public_api(backend, dtype):
     """jagged_attention on CUDA (auto = triton on Hopper): forward, LSE and gradients against the
-    reference backend on the same inputs (Gaussian, ragged, cross, causal, GQA)."""
+    reference backend on the same inputs (Gaussian, ragged, cross, causal, GQA), in the inputs' dtype
+    (fp32 gradients once went wrong where bf16 ones were right: docs/PERF.md v19)."""
     q, k, v, oq, ok = _inputs(lengths_q=(0, 1, 31, 129, 700), lengths_k=(5, 64, 33, 128, 900), hq=8, hkv=2,
-                              dim=128, dtype=torch.bfloat16)
+                              dim=128, dtype=dtype)
     q, k, v, oq, ok = (x.cuda() for x in (q, k, v, oq, ok))
     dout = torch.randn_like(q)
     results = {}
@@ -282,6 +285,7 @@ def test_gpu_backends_through_the_public_api(backend):
     names = ("out", "lse", "dq", "dk", "dv")
     limits = (1e-2, 1e-3, 2e-2, 2e-2, 2e-2)
     for name, got, ref, limit in zip(names, results[backend], results["reference"], limits):
+        assert got.dtype == (torch.float32 if name == "lse" else dtype), name
         seen = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(got), seen), name
         assert relative_l2(got[seen], ref[seen]) < limit, name
