@@ -5,7 +5,8 @@ On ``bench.py``'s workloads (head_dim 128):
 * ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``triton``,
   forward + backward through autograd; ``torch.profiler`` over five steps), largest first;
 * otherwise: the Gluon backward kernel alone (``hopper_bwd_ws.launch``, the producers run once
-  beforehand), with dQ accumulated or not (``--no-dq``), as median ms and TFLOP/s, with the sums of
+  beforehand), with dQ accumulated or not (``--no-dq``), on the exact path or with FP8 S and dP
+  (``--fp8-scores``: backend ``triton-fast``'s), as median ms and TFLOP/s, with the sums of
   ``|dQ|``, ``|dK|``, ``|dV|`` so that two versions' outputs can be compared.
 
 To compare two versions side by side, run it twice in one device call, the second time on the other
@@ -52,12 +53,12 @@ def profile_step(w: Workload) -> None:
         print(f"  {ms:7.3f} ms x{count:<3d} {name[:110]}")
 
 
-def time_backward_kernel(w: Workload, accumulate_dq: bool) -> None:
+def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -> None:
     from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws
 
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
-    prep = hopper_bwd._Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, exact_scores=True,
+    prep = hopper_bwd._Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, exact_scores=exact_scores,
                                 **hopper_bwd.gluon_preparation(not accumulate_dq))
     dq_accum = torch.zeros(w.q.shape[0] + hopper_bwd_ws.BLOCK_M.value, w.heads, w.dim, device="cuda")
     dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
@@ -69,14 +70,16 @@ def time_backward_kernel(w: Workload, accumulate_dq: bool) -> None:
     kernel()
     sums = " ".join(f"{float(x.double().abs().sum()):.6e}" for x in (dq_accum, dk, dv))
     ms = median_ms(kernel)
-    print(f"{w.name:28s} dQ={accumulate_dq!s:5s} kernel {ms:7.3f} ms = {w.tflops('bwd', ms):5.0f} TFLOP/s"
-          f"  |dQ| |dK| |dV| sums {sums}")
+    scores = "exact" if exact_scores else "FP8"
+    print(f"{w.name:28s} dQ={accumulate_dq!s:5s} S, dP {scores:5s} kernel {ms:7.3f} ms = "
+          f"{w.tflops('bwd', ms):5.0f} TFLOP/s  |dQ| |dK| |dV| sums {sums}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="time per kernel of a training step")
     parser.add_argument("--no-dq", action="store_true", help="the backward kernel without dQ")
+    parser.add_argument("--fp8-scores", action="store_true", help="S and dP from FP8 copies (triton-fast)")
     parser.add_argument("--workloads", nargs="*", help="names of bench.py workloads (default: all)")
     args = parser.parse_args()
     from jagged_attn.kernels import hopper_bwd_ws
@@ -89,7 +92,7 @@ def main():
         if args.profile:
             profile_step(w)
         else:
-            time_backward_kernel(w, accumulate_dq=not args.no_dq)
+            time_backward_kernel(w, accumulate_dq=not args.no_dq, exact_scores=not args.fp8_scores)
 
 
 if __name__ == "__main__":
