@@ -416,16 +416,13 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         k_stage.store(dk_out)
         v_stage.store(dv_out)
         gl.thread_barrier()
-        store_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, rows_layout))
-        store_channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
-        staged_offsets = ((k_start + store_rows) * HEADS_KV + kv_head)[:, None] * D + store_channels[None, :]
-        store_mask = (store_rows < len_k)[:, None]
-        gl.store(dk + staged_offsets, k_stage.load(rows_layout), mask=store_mask)
-        gl.store(dv + staged_offsets, v_stage.load(rows_layout), mask=store_mask)
-    else:
-        out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
-        gl.store(dk + out_offsets, dk_out, mask=key_in[:, None])
-        gl.store(dv + out_offsets, dv_out, mask=key_in[:, None])
+        dk_out, dv_out = k_stage.load(rows_layout), v_stage.load(rows_layout)
+        key_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, rows_layout))
+        channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
+    out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
+    in_sequence = (key_rows < len_k)[:, None]
+    gl.store(dk + out_offsets, dk_out, mask=in_sequence)
+    gl.store(dv + out_offsets, dv_out, mask=in_sequence)
 
 
 @gluon.jit
