@@ -410,13 +410,9 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
         # instruction) these stores took 1.25 of the ads batch's 5.25 ms (docs/PERF.md v18); staged,
         # that kernel takes 4.43 (v19).
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
-        k_stage = k_smem._reinterpret(dk.dtype.element_ty, [KEYS, D], k_smem.layout)
-        v_stage = v_smem._reinterpret(dv.dtype.element_ty, [KEYS, D], v_smem.layout)
-        k_stage.store(dk_out)
-        v_stage.store(dv_out)
-        gl.thread_barrier()
-        dk_out, dv_out = k_stage.load(rows_layout), v_stage.load(rows_layout)
+        rows_layout: gl.constexpr = layout.whole_rows_layout(D, 4)
+        dk_out = layout.gluon_restage(dk_out, k_smem, rows_layout)
+        dv_out = layout.gluon_restage(dv_out, v_smem, rows_layout)
         key_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, rows_layout))
         channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
     out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]

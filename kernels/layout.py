@@ -92,6 +92,25 @@ def gluon_columns_in_key_order(x, KEY_DIMS: gl.constexpr):
     return split.permute(KEY_DIMS.value).reshape([x.shape[0], x.shape[1]])
 
 
+
+@gluon.constexpr_function
+def whole_rows_layout(columns, warps):
+    """A register layout of ``[rows, columns]`` 16-bit tiles in which each warp holds whole rows, 8
+    values (16 bytes) per thread: its global stores write whole rows, where a wgmma accumulator's
+    write 16-byte pieces of 8 rows per instruction."""
+    return gl.BlockedLayout([1, 8], [32 // (columns // 8), columns // 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def gluon_restage(tile, buffer, rows_layout: gl.constexpr):
+    """``tile`` (16-bit, any register layout) in ``rows_layout``, moved through the free shared
+    ``buffer`` of the tile's bytes (reinterpreted, its swizzle kept); a barrier of the calling warps
+    lies between the store and the load."""
+    stage = buffer._reinterpret(tile.dtype, tile.shape, buffer.layout)
+    stage.store(tile)
+    gl.thread_barrier()
+    return stage.load(rows_layout)
+
 # key_order_dims of each order for tiles of 2^4 .. 2^7 tokens: both orders move tokens only inside
 # 16-token groups, so any power of two from 16 has one.
 _ORDER_DIMS = tl.constexpr(tuple(tuple(tuple(key_order_dims(slot, bits)) for bits in range(4, PV_KEY_BITS + 1))
