@@ -92,7 +92,6 @@ def gluon_columns_in_key_order(x, KEY_DIMS: gl.constexpr):
     return split.permute(KEY_DIMS.value).reshape([x.shape[0], x.shape[1]])
 
 
-
 @gluon.constexpr_function
 def whole_rows_layout(columns, warps):
     """A register layout of ``[rows, columns]`` 16-bit tiles in which each warp holds whole rows, 8
@@ -110,6 +109,7 @@ def gluon_restage(tile, buffer, rows_layout: gl.constexpr):
     stage.store(tile)
     gl.thread_barrier()
     return stage.load(rows_layout)
+
 
 # key_order_dims of each order for tiles of 2^4 .. 2^7 tokens: both orders move tokens only inside
 # 16-token groups, so any power of two from 16 has one.
