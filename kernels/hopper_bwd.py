@@ -808,10 +808,10 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
 
     On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
     S and dP come from bf16 MMAs on the MX values of Q, K, V and dO (exact), with "fp8" from FP8
-    wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128): 20.2 / 18.8 ms, cuDNN
-    BF16 20.4 ms; gradients within 5e-3 of the reference backend on all four input kinds of the
-    tests with "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8" (docs/PERF.md,
-    v6-v13). ``kernel="triton"`` runs the Triton kernel there instead (45.9 ms); the CPU interpreter
+    wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128, producers included): 19.7 /
+    18.6 ms, cuDNN BF16 20.4 ms (bench of 2026-12-01 02:01, docs/PERF.md v20); gradients within 5e-3
+    of the reference backend on all four input kinds of the tests with "bf16", 1.5e-2 to 2e-1 on
+    heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6-v13). ``kernel="triton"`` runs the Triton kernel there instead (45.9 ms); the CPU interpreter
     runs it.
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
