@@ -811,8 +811,8 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128, producers included): 19.7 /
     18.6 ms, cuDNN BF16 20.4 ms (bench of 2026-12-01 02:01, docs/PERF.md v20); gradients within 5e-3
     of the reference backend on all four input kinds of the tests with "bf16", 1.5e-2 to 2e-1 on
-    heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6-v13). ``kernel="triton"`` runs the Triton kernel there instead (45.9 ms); the CPU interpreter
-    runs it.
+    heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6-v13). ``kernel="triton"`` runs the
+    Triton kernel there instead (45.9 ms); the CPU interpreter runs it.
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
     reduce-adds on the GPU, atomics in the interpreter; the order varies run to run).
