@@ -410,7 +410,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
         # instruction) these stores took 1.25 of the ads batch's 5.25 ms (docs/PERF.md v18); staged,
         # that kernel takes 4.43 (v19).
-        rows_layout: gl.constexpr = layout.whole_rows_layout(D, 4)
+        rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
         dk_out = layout.gluon_restage(dk_out, k_smem, rows_layout)
         dv_out = layout.gluon_restage(dv_out, v_smem, rows_layout)
         key_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, rows_layout))
