@@ -43,12 +43,14 @@ HEAD_DIMS = (64, 128)
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
-    """KV tile, pipeline depth (measured: 2 stages within 1% of these) and the registers of the
-    loader warp and the consumer warpgroups (``setmaxnreg``)."""
+    """KV tile, pipeline depth (measured: 2 stages within 1% of these), the registers of the loader
+    warp and the consumer warpgroups (``setmaxnreg``), and whether the softmax's row reductions run
+    as trees (``_row_reduce``: measured faster at head_dim 128, slower at 64)."""
     if scores not in SCORE_MODES or head_dim not in HEAD_DIMS:
         raise ValueError(f"no configuration for scores={scores!r}, head_dim={head_dim}")
     stages = 4 if scores == "fp8" else 3
-    return dict(BLOCK_N=128, STAGES=stages, SCORES=scores, LOADER_REGS=24, CONSUMER_REGS=240)
+    return dict(BLOCK_N=128, STAGES=stages, SCORES=scores, LOADER_REGS=24, CONSUMER_REGS=240,
+                ROW_TREE=head_dim == 128)
 
 
 @gluon.jit
@@ -83,7 +85,8 @@ def _load_kv(k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_row,
 
 @gluon.jit
 def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0, last_col, masked,
-                             BLOCK_N: gl.constexpr, s_cols: gl.constexpr):
+                             BLOCK_N: gl.constexpr, s_rows: gl.constexpr, s_cols: gl.constexpr,
+                             ROW_TREE: gl.constexpr):
     """Online-softmax step on one S tile: (P in (0, 256], alpha, new row max, new row sum).
 
     The factors (positive) scale S inside exp2's fma: the row maximum of the scaled tile is the
@@ -92,10 +95,23 @@ def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0
     if masked:
         cols = col0 + gl.arange(0, BLOCK_N, layout=s_cols)
         s = gl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
-    new_max = gl.maximum(row_max, gl.ceil(gl.max(s, axis=1) * scale))
+    new_max = gl.maximum(row_max, gl.ceil(_row_reduce(s, True, s_rows, ROW_TREE) * scale))
     alpha = gl.exp2(row_max - new_max)
     p = gl.exp2(gl.fma(s, scale[:, None], (layout.P_STATIC_EXP - new_max)[:, None]))
-    return p, alpha, new_max, row_sum * alpha + gl.sum(p, axis=1)
+    return p, alpha, new_max, row_sum * alpha + _row_reduce(p, False, s_rows, ROW_TREE)
+
+
+@gluon.jit
+def _row_reduce(x, MAXIMUM: gl.constexpr, rows_layout: gl.constexpr, TREE: gl.constexpr):
+    """Row maxima (or sums) of an m64 x 128 wgmma accumulator tile. ``gl.max``/``gl.sum`` chain a
+    thread's 32 values of a row one after the other; with TREE, column bits 6 to 3 (held by one
+    thread) are first halved away in registers, leaving them 8 columns (a pair per thread, 4 threads)."""
+    if TREE:
+        for _ in gl.static_range(4):
+            low, high = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute(0, 2, 1).split()
+            x = gl.maximum(low, high) if MAXIMUM else low + high
+    x = gl.max(x, axis=1) if MAXIMUM else gl.sum(x, axis=1)
+    return gl.convert_layout(x, rows_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -110,10 +126,12 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
 def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, k_smem, v_smem, k_ready, v_ready,
              kv_empty, seq, head, kv_head, rows0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row,
              n_tiles, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr):
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
+             ROW_TREE: gl.constexpr):
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
-    LSE. Each tile's MMAs are waited for at once: FlashAttention-3's intra-warpgroup pipelining and
-    ping-pong measured slower here (the consumers are issue bound, docs/PERF.md v6)."""
+    LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
+    its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
+    here: the softmax's own latency, not the MMA waits, sets the pace (docs/PERF.md v21)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_N, 16 if EXACT else 8)  # bf16 or e4m3 operands
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
@@ -158,7 +176,8 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
         s = warpgroup_mma(q_smem, k_view, s_zero, use_acc=False, is_async=True)
         s, _, _ = warpgroup_mma_wait(0, deps=(s, q_smem, k_view))
         p, alpha, row_max, row_sum = _scores_to_probabilities(
-            s, row_scale, k_tile_factor, row_max, row_sum, i * BLOCK_N, last_col, i >= first_masked, BLOCK_N, s_cols)
+            s, row_scale, k_tile_factor, row_max, row_sum, i * BLOCK_N, last_col, i >= first_masked, BLOCK_N, s_rows,
+            s_cols, ROW_TREE)
         p8 = _as_pv_operand(p, p_layout)
         mbarrier.wait(v_ready.index(stage), phase)
         v_view = v_smem.index(stage).permute((1, 0))
@@ -198,7 +217,7 @@ def _attention_forward_kernel(
     q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr,
 ):
     # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
     # (sequence, head), which stream the same K and V tiles through L2 (causal: 4% faster).
@@ -234,11 +253,11 @@ def _attention_forward_kernel(
             (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), k_smem,
                         v_smem, k_ready, v_ready, kv_empty, seq, head, kv_head, row0, q_start, len_q, len_k, q_col,
                         q_factor_row, k_factor_row, n_tiles, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL)),
+                        CAUSAL, ROW_TREE)),
             (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), k_smem,
                         v_smem, k_ready, v_ready, kv_empty, seq, head, kv_head, row0, q_start, len_q, len_k, q_col,
                         q_factor_row, k_factor_row, n_tiles, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL)),
+                        CAUSAL, ROW_TREE)),
             (_load_kv, (k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_start.to(gl.int32),
                         kv_head * D, kv_head * D, vt_col, n_tiles, BLOCK_N, STAGES)),
         ],

@@ -1,15 +1,28 @@
 """Benchmark: our varlen MXFP8 attention against BF16 peers on one GPU, in one run.
 
-Peers: torch ``varlen_attn`` (FlashAttention-2), cuDNN SDPA (dense workloads only) and
-FlexAttention with a document mask (compiled). Workloads are those of DESIGN.md section 8.
-TFLOP/s count ``4 * sum_b visible(q, k pairs) * D * H`` (backward: 2.5x that; a training step,
-forward + backward through autograd: 3.5x). Every timing is the median of
-``triton.testing.do_bench`` on random (never zero) inputs.
+Ours: the public ``jagged_attention`` on bf16 inputs ("ours": backend ``triton``, "fast":
+``triton-fast``; value checks on, as a caller gets them), and the forward on MXFP8 inputs quantized
+once beforehand ("ours mxfp8", "fast mxfp8"). Peers, all BF16: FlashAttention-4
+(``flash_attn.cute.flash_attn_varlen_func``, where this Python imports it, e.g. through PYTHONPATH;
+its columns read "-" otherwise), cuDNN SDPA (dense workloads only), torch ``varlen_attn``
+(FlashAttention-2) and, with ``--flex``, FlexAttention with a document mask (compiled; its compiles
+take minutes). Each ratio column is ours over the row's reference: FA4 where it ran, else cuDNN
+(dense rows), else ``varlen_attn``; the last column names it.
 
-    python3 scripts/bench.py --out OUT_DIR [--head-dims 128 64] [--backward] [--no-flex] [--sweep]
+Workload sets (``--set``; ``--help`` lists them with the indices ``--workloads`` takes): ``fa4``
+(the default), each workload at its own head_dim, and ``design``, DESIGN.md section 8's, at each of
+``--head-dims``. Causal masks are bottom-right aligned. TFLOP/s count
+``4 * sum_b visible(q, k pairs) * D * Hq`` (backward: 2.5x that; a training step, forward +
+backward through autograd: 3.5x). Every timing is the median of ``triton.testing.do_bench`` on
+random (never zero) inputs; its first call, untimed, absorbs compiles (Triton's, FA4's ~5 s per
+shape class).
 
-Prints a table, writes ``bench.json`` and ``bench.png`` (when matplotlib is there; otherwise
-``--plot bench.json`` draws it later on any machine).
+    python3 scripts/bench.py --out OUT_DIR [--set fa4|design] [--workloads NAME|INDEX ...]
+        [--backward] [--flex] [--kernel] [--sweep] [--head-dims 128 64]
+
+Prints a table last, writes ``bench.json`` (every ms and TFLOP/s, the GPU, torch, Triton and FA4
+versions, date and commit) and ``bench.png`` (when matplotlib is there; otherwise
+``--plot bench.json`` draws it later on any machine, from this script's JSON of any date).
 """
 
 from __future__ import annotations
@@ -23,12 +36,29 @@ import json
 import math
 import os
 import subprocess
+import sys
+import time
+from typing import Callable, NamedTuple
 
 import torch
 
 WARMUP_MS, REPEAT_MS = 25, 150
 LLM_SEED, ADS_SEED = 1234, 4321
+PARETO_SEED, GQA_SEED, ADS_CROSS_SEED, TINY_QUERY_SEED = 99, 3000, 512, 2048
+MAX_LENGTH = 16384
 FLOP_FACTORS = {"bwd": 2.5, "step": 3.5}  # by the last word of a column name; forward 1
+PANELS = {"bwd": "backward", "step": "training step"}  # likewise; the rest: forward
+
+
+def dense_lengths(batch, length):
+    return torch.full((batch,), length), torch.full((batch,), length)
+
+
+def cross_lengths(batch, q_range, k_range, seed):
+    """``batch`` sequences, L_q uniform in ``q_range``, L_k uniform in ``k_range`` (bounds included)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(q_range[0], q_range[1] + 1, (batch,), generator=g),
+            torch.randint(k_range[0], k_range[1] + 1, (batch,), generator=g))
 
 
 def llm_lengths():
@@ -40,31 +70,98 @@ def llm_lengths():
 
 def ads_lengths():
     """256 sequences, L_q uniform in [32, 512], L_k uniform in [256, 4096], fixed seed."""
-    g = torch.Generator().manual_seed(ADS_SEED)
-    return torch.randint(32, 513, (256,), generator=g), torch.randint(256, 4097, (256,), generator=g)
+    return cross_lengths(256, (32, 512), (256, 4096), ADS_SEED)
 
 
-def dense_lengths():
-    return torch.full((8,), 8192), torch.full((8,), 8192)
+def pareto_lengths():
+    """200 lengths ``round(700 * ((1 - u)^(-1/1.2) - 1))`` for u uniform in [0, 1) (float64): Pareto type
+    II (Lomax) of shape 1.2 and scale 700, clamped to [1, 16384], fixed seed: median 615, 20 above 4000,
+    two of 16384; the longest six hold 60% of the (non-causal) pairs."""
+    g = torch.Generator().manual_seed(PARETO_SEED)
+    u = torch.rand(200, generator=g, dtype=torch.float64)
+    lengths = (700 * ((1 - u).pow(-1 / 1.2) - 1)).round().clamp(1, MAX_LENGTH).long()
+    return lengths, lengths
 
 
-WORKLOADS = [
-    # (name, lengths, heads, causal, dense)
-    ("dense 8x8192 h16", dense_lengths, 16, False, True),
-    ("dense 8x8192 h16 causal", dense_lengths, 16, True, True),
-    ("llm 48 ragged h16", llm_lengths, 16, False, False),
-    ("llm 48 ragged h16 causal", llm_lengths, 16, True, False),
-    ("ads cross 256 h8", ads_lengths, 8, False, False),
-]
+def gqa_lengths():
+    """40 lengths, lognormal (log-mean ln 3000, sigma 0.6), clamped to [128, 16384], fixed seed
+    (median 2712, 1169 to 10620)."""
+    g = torch.Generator().manual_seed(GQA_SEED)
+    lengths = torch.exp(math.log(3000) + 0.6 * torch.randn(40, generator=g)).round().clamp(128, MAX_LENGTH)
+    return lengths.long(), lengths.long()
+
+
+def ads_cross_lengths():
+    """512 sequences, L_q uniform in [16, 256], L_k uniform in [1000, 3000], fixed seed."""
+    return cross_lengths(512, (16, 256), (1000, 3000), ADS_CROSS_SEED)
+
+
+def tiny_query_lengths():
+    """2048 sequences, L_q uniform in [1, 64], L_k uniform in [512, 2048], fixed seed."""
+    return cross_lengths(2048, (1, 64), (512, 2048), TINY_QUERY_SEED)
+
+
+class Spec(NamedTuple):
+    """One workload: ``lengths()`` gives L_q and L_k per sequence; ``dense``: every sequence of one length
+    (cuDNN SDPA runs it too); ``heads_kv``: None for ``heads_q`` (else GQA, ``heads_q % heads_kv == 0``);
+    ``dim``: None to run at each of ``--head-dims``."""
+
+    name: str
+    lengths: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    heads_q: int
+    causal: bool
+    dense: bool
+    heads_kv: int | None = None
+    dim: int | None = None
+
+
+dense_16k = functools.partial(dense_lengths, 4, 16384)
+dense_8k = functools.partial(dense_lengths, 8, 8192)
+WORKLOAD_SETS = {
+    "fa4": [  # against FlashAttention-4 (BF16)
+        Spec("dense 4x16k h16", dense_16k, 16, False, True, dim=128),
+        Spec("ragged pareto 200 h16", pareto_lengths, 16, False, False, dim=128),
+        Spec("ragged pareto 200 h16 causal", pareto_lengths, 16, True, False, dim=128),
+        Spec("llm gqa 32/8 lognormal", gqa_lengths, 32, False, False, heads_kv=8, dim=128),
+        Spec("llm gqa 32/8 lognormal causal", gqa_lengths, 32, True, False, heads_kv=8, dim=128),
+        Spec("ads cross 512 h4", ads_cross_lengths, 4, False, False, dim=128),
+        Spec("tiny-query cross 2048 h8", tiny_query_lengths, 8, False, False, dim=128),
+        Spec("dense 8x8k h16 d64", dense_8k, 16, False, True, dim=64),
+    ],
+    "design": [  # DESIGN.md section 8
+        Spec("dense 8x8192 h16", dense_8k, 16, False, True),
+        Spec("dense 8x8192 h16 causal", dense_8k, 16, True, True),
+        Spec("llm 48 ragged h16", llm_lengths, 16, False, False),
+        Spec("llm 48 ragged h16 causal", llm_lengths, 16, True, False),
+        Spec("ads cross 256 h8", ads_lengths, 8, False, False),
+    ],
+}
+# The (name, lengths, heads, causal, dense) tuples, each a Workload's first five arguments, that
+# scripts/bench_bwd_kernel.py and bench_fwd_kernel.py run: the design set, as before the fa4 set.
+WORKLOADS = [spec[:5] for spec in WORKLOAD_SETS["design"]]
+
+
+def select(specs, keys):
+    """The specs that ``keys`` name (by name or by index into ``specs``), in that order; all of them for
+    no keys. ValueError for a key that names none."""
+    if not keys:
+        return list(specs)
+    by_key = {**{str(i): s for i, s in enumerate(specs)}, **{s.name: s for s in specs}}
+    unknown = [key for key in keys if key not in by_key]
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}: --help lists each set's names and indices")
+    return [by_key[key] for key in keys]
 
 
 def visible_pairs(len_q, len_k, causal):
+    """The (query, key) pairs attention computes, summed over sequences. Causal (bottom-right aligned):
+    query i sees keys j <= i + L_k - L_q, which are max(0, i + 1 + L_k - L_q) keys (L_k for the last
+    query), summing to T(L_k) - T(max(L_k - L_q, 0)) with T(n) = n (n + 1) / 2."""
+    len_q, len_k = len_q.long(), len_k.long()
     if not causal:
         return int((len_q * len_k).sum())
-    # query i sees keys j <= i + Lk - Lq (bottom-right aligned)
-    return sum(
-        sum(max(0, min(lk, i + 1 + lk - lq)) for i in range(lq)) for lq, lk in zip(len_q.tolist(), len_k.tolist())
-    )
+    unseen = (len_k - len_q).clamp(min=0)
+    return int((len_k * (len_k + 1) // 2 - unseen * (unseen + 1) // 2).sum())
 
 
 def median_ms(fn):
@@ -80,16 +177,21 @@ def offsets_of(lengths, device):
 
 
 class Workload:
-    """Random bf16 jagged q, k, v (and dO) on the GPU for one workload and head_dim."""
+    """Random bf16 jagged q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]`` and dO on the GPU for one
+    workload at head_dim ``dim`` (the first arguments: a Spec's fields; ``heads``: Hq; ``heads_kv``:
+    Hkv, None for Hq)."""
 
-    def __init__(self, name, lengths, heads, causal, dense, dim, device="cuda"):
-        self.name, self.heads, self.causal, self.dense, self.dim = name, heads, causal, dense, dim
+    def __init__(self, name, lengths, heads, causal, dense, dim, device="cuda", heads_kv=None):
+        self.name, self.causal, self.dense, self.dim = name, causal, dense, dim
+        self.heads, self.heads_kv = heads, heads if heads_kv is None else heads_kv
+        self.label = f"{name} d{dim}"
         self.len_q, self.len_k = lengths()
+        self.max_q, self.max_k = int(self.len_q.max()), int(self.len_k.max())
         self.offsets_q, self.offsets_k = offsets_of(self.len_q, device), offsets_of(self.len_k, device)
         total_q, total_k = int(self.len_q.sum()), int(self.len_k.sum())
-        self.q = torch.randn(total_q, heads, dim, device=device, dtype=torch.bfloat16)
-        self.k = torch.randn(total_k, heads, dim, device=device, dtype=torch.bfloat16)
-        self.v = torch.randn(total_k, heads, dim, device=device, dtype=torch.bfloat16)
+        self.q = torch.randn(total_q, self.heads, dim, device=device, dtype=torch.bfloat16)
+        self.k = torch.randn(total_k, self.heads_kv, dim, device=device, dtype=torch.bfloat16)
+        self.v = torch.randn(total_k, self.heads_kv, dim, device=device, dtype=torch.bfloat16)
         self.dout = torch.randn_like(self.q)
         self.scale = dim**-0.5
         self.flops = 4.0 * visible_pairs(self.len_q, self.len_k, causal) * dim * heads
@@ -109,10 +211,56 @@ def backward_and_step_ms(name, forward, inputs, dout):
     }
 
 
+def attempt(what, measure, into: dict):
+    """``into.update(measure())``; a failure (a peer missing on this machine, or refusing this shape) is
+    printed, not raised."""
+    try:
+        into.update(measure())
+    except Exception as error:
+        print(f"{what} failed: {type(error).__name__}: {str(error)[:500]}", flush=True)
+
+
+# A peer maps a Workload to (forward, inputs, dout): forward(*inputs) gives the output that dout is the
+# gradient of; or to None where it does not apply.
+
+
+def timed(name, peer, w: Workload, backward: bool):
+    """{name: forward ms} of ``peer(w)`` and, with ``backward``, its "name bwd" and "name step" ms ({}
+    where the peer does not apply); a backward that fails is reported and leaves the forward's number."""
+    setup = peer(w)
+    if setup is None:
+        return {}
+    forward, inputs, dout = setup
+    results = {name: median_ms(lambda: forward(*inputs))}
+    if backward:
+        attempt(f"{w.label} {name} bwd", lambda: backward_and_step_ms(name, forward, inputs, dout), results)
+    return results
+
+
 # ---- ours -------------------------------------------------------------------------------------
 
 
-def ours(w: Workload, backward: bool, sweep_configs=()):
+def jagged_peer(backend: str):
+    """Ours as a caller runs it: ``jagged_attention`` on bf16 q, k, v (quantized inside; GQA natively)."""
+
+    def peer(w: Workload):
+        from jagged_attn import jagged_attention
+
+        def forward(q, k, v):
+            return jagged_attention(q, k, v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
+                                    backend=backend)
+
+        return forward, (w.q, w.k, w.v), w.dout
+
+    return peer
+
+
+def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
+    """Forward ms from MXFP8 inputs quantized once beforehand (``hopper_fwd.attention_forward``; "ours
+    mxfp8": exact S as backend ``triton``, "fast mxfp8": FP8 S as ``triton-fast``). With ``kernel`` also
+    the Gluon kernel alone ("ours kernel", "fast kernel") on Q, K, V rebased beforehand, and the rebase
+    passes' ms; ``sweep_configs``: tile configurations of the Triton kernel (the one the CPU interpreter
+    runs)."""
     from jagged_attn import quantize_mxfp8
     from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
 
@@ -120,11 +268,11 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
     mk = quantize_mxfp8(w.k, w.offsets_k)
     mv = quantize_mxfp8(w.v, w.offsets_k, axis="sequence")
     forward = dict(causal=w.causal, softmax_scale=w.scale)
-    # "ours": the default backend ("triton": exact S); "fast": backend "triton-fast" (FP8 S).
     results = {}
     for name, scores in (("ours", "bf16"), ("fast", "fp8")):
         results[f"{name} mxfp8"] = median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, scores=scores, **forward))
-        # The GPU kernel alone (hopper_fwd_ws), on Q, K, V rebased beforehand.
+        if not kernel:
+            continue
         exact = scores == "bf16"
         config = hopper_fwd_ws.tile_config(w.dim, scores)
         rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
@@ -135,7 +283,6 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
             *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward))
         results[f"{name} rebase ms: q"] = median_ms(rebase_q)
         results[f"{name} rebase ms: k, v"] = median_ms(rebase_kv)
-    # --sweep: tile configurations of the Triton kernel (the one the CPU interpreter runs).
     for c in sweep_configs:
         rebased = (*rebase.rebase_feature(mk, group=c["BLOCK_N"]), *rebase.rebase_sequence(mv))
         results[f"triton {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s"] = median_ms(
@@ -143,30 +290,45 @@ def ours(w: Workload, backward: bool, sweep_configs=()):
                 mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=c, **forward
             )
         )
-    results["ours bf16 in"] = median_ms(
-        lambda: hopper_fwd.attention_forward_hp(w.q, w.k, w.v, w.offsets_q, w.offsets_k, scores="bf16", **forward)
-    )
-    if backward:
-        results.update(ours_backward_and_step(w))
-    return results
-
-
-def ours_backward_and_step(w: Workload):
-    """The public ``jagged_attention`` on bf16 inputs, through autograd: "ours" = backend "triton",
-    "fast" = "triton-fast" (FP8 S in the forward, the warp-specialized backward)."""
-    from jagged_attn import jagged_attention
-
-    results = {}
-    for name, backend in (("ours", "triton"), ("fast", "triton-fast")):
-        def forward(q, k, v, backend=backend):
-            return jagged_attention(q, k, v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                                    backend=backend)
-
-        results.update(backward_and_step_ms(name, forward, (w.q, w.k, w.v), w.dout))
     return results
 
 
 # ---- peers ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def fa4_import():
+    """(``flash_attn.cute``, None) where this Python imports it (FA4 is installed for some runs only),
+    else (None, why not)."""
+    try:
+        import flash_attn.cute as fa4
+    except Exception as error:  # absent, or present with a CUTLASS DSL that does not load
+        return None, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    return fa4, None
+
+
+def fa4_version():
+    """FA4's ``__version__`` and the folder it was imported from, or why it was not."""
+    fa4, why = fa4_import()
+    if fa4 is None:
+        return f"absent ({why})"
+    return f"{getattr(fa4, '__version__', 'no __version__')} ({os.path.dirname(fa4.__file__)})"
+
+
+def fa4_peer(w: Workload):
+    """FlashAttention-4's ``flash_attn_varlen_func`` (GQA natively; it returns out, or (out, lse)). Its
+    causal mask is bottom-right aligned too (the causal rows here are self-attention anyway)."""
+    fa4, _ = fa4_import()
+    if fa4 is None:
+        return None
+
+    def forward(q, k, v):
+        out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=w.offsets_q, cu_seqlens_k=w.offsets_k,
+                                         max_seqlen_q=w.max_q, max_seqlen_k=w.max_k, softmax_scale=w.scale,
+                                         causal=w.causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return forward, (w.q, w.k, w.v), w.dout
 
 
 def varlen_causal_kwargs(causal: bool) -> dict:
@@ -179,43 +341,49 @@ def varlen_causal_kwargs(causal: bool) -> dict:
     return {"window_size": (-1, 0)} if has_window else {"is_causal": True}
 
 
-def varlen_fa2(w: Workload, backward: bool):
+def varlen_peer(w: Workload):
+    """torch ``varlen_attn`` (FlashAttention-2). GQA through its ``enable_gqa``; a torch without it gets
+    k and v with each head repeated Hq / Hkv times beforehand, for this peer only (its backward then
+    gives dK, dV per query head, which GQA would go on to sum over each group: not timed)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    causal = varlen_causal_kwargs(w.causal)
-    max_q, max_k = int(w.len_q.max()), int(w.len_k.max())
+    options = varlen_causal_kwargs(w.causal)
+    k, v = w.k, w.v
+    if w.heads_kv != w.heads:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            options["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(w.heads // w.heads_kv, dim=1) for x in (k, v))
 
     def forward(q, k, v):
-        return varlen_attn(q, k, v, w.offsets_q, w.offsets_k, max_q, max_k, scale=w.scale, **causal)
+        return varlen_attn(q, k, v, w.offsets_q, w.offsets_k, w.max_q, w.max_k, scale=w.scale, **options)
 
-    results = {"varlen_attn": median_ms(lambda: forward(w.q, w.k, w.v))}
-    if backward:
-        results.update(backward_and_step_ms("varlen_attn", forward, (w.q, w.k, w.v), w.dout))
-    return results
+    return forward, (w.q, k, v), w.dout
 
 
-def cudnn_sdpa(w: Workload, backward: bool):
+def cudnn_peer(w: Workload):
+    """cuDNN SDPA on the dense view ``[B, H, L, D]`` of a dense workload (GQA through ``enable_gqa``)."""
     if not w.dense:
-        return {}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+        return None
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batch, length = w.len_q.numel(), int(w.len_q[0])
+    gqa = {"enable_gqa": True} if w.heads_kv != w.heads else {}
 
     def dense(x):
-        return x.view(batch, length, w.heads, w.dim).transpose(1, 2)
+        return x.view(batch, length, x.shape[1], w.dim).transpose(1, 2)
 
     def forward(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(dense(q), dense(k), dense(v), is_causal=w.causal, scale=w.scale)
+            return F.scaled_dot_product_attention(dense(q), dense(k), dense(v), is_causal=w.causal, scale=w.scale,
+                                                  **gqa)
 
-    results = {"cudnn sdpa": median_ms(lambda: forward(w.q, w.k, w.v))}
-    if backward:
-        results.update(backward_and_step_ms("cudnn sdpa", forward, (w.q, w.k, w.v), dense(w.dout)))
-    return results
+    return forward, (w.q, w.k, w.v), dense(w.dout)
 
 
-def flex_doc_mask(w: Workload, backward: bool):
+def flex_peer(w: Workload):
+    """FlexAttention, compiled, with a document mask over the packed sequences (GQA through ``enable_gqa``)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     device = w.q.device
@@ -236,15 +404,23 @@ def flex_doc_mask(w: Workload, backward: bool):
     torch._functorch.config.donated_buffer = False
     block_mask = create_block_mask(mask_mod, 1, 1, doc_q.numel(), doc_k.numel(), device=device, _compile=True)
     compiled = torch.compile(flex_attention)
+    gqa = w.heads_kv != w.heads
 
     def forward(q, k, v):
-        return compiled(q, k, v, block_mask=block_mask, scale=w.scale)
+        return compiled(q, k, v, block_mask=block_mask, scale=w.scale, enable_gqa=gqa)
 
     packed = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (w.q, w.k, w.v, w.dout)]
-    results = {"flex": median_ms(lambda: forward(*packed[:3]))}
-    if backward:
-        results.update(backward_and_step_ms("flex", forward, packed[:3], packed[3]))
-    return results
+    return forward, tuple(packed[:3]), packed[3]
+
+
+PEERS = [  # (column, peer), in the order they run
+    ("ours", jagged_peer("triton")),
+    ("fast", jagged_peer("triton-fast")),
+    ("fa4", fa4_peer),
+    ("cudnn sdpa", cudnn_peer),
+    ("varlen_attn", varlen_peer),
+    ("flex", flex_peer),
+]
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -272,32 +448,38 @@ def ceilings():
 
 # ---- report -----------------------------------------------------------------------------------
 
-BF16_PEERS = ["varlen_attn", "cudnn sdpa", "flex"]
-FORWARD_COLUMNS = ["ours mxfp8", "ours kernel", "ours bf16 in", "fast mxfp8", "fast kernel", *BF16_PEERS]
-BACKWARD_COLUMNS = ["ours bwd", "fast bwd", *(c + " bwd" for c in BF16_PEERS)]
-STEP_COLUMNS = ["ours step", "fast step", *(c + " step" for c in BF16_PEERS)]
-PANELS = [("forward", FORWARD_COLUMNS), ("backward", BACKWARD_COLUMNS), ("training step", STEP_COLUMNS)]
+PEER_COLUMNS = ["fa4", "cudnn sdpa", "varlen_attn", "flex"]
+REFERENCES = PEER_COLUMNS[:3]  # a row's ratios are over the first of these it has
+FORWARD_COLUMNS = ["ours", "fast", "ours mxfp8", "fast mxfp8", "ours kernel", "fast kernel", *PEER_COLUMNS]
+GRADIENT_COLUMNS = ["ours", "fast", *PEER_COLUMNS]  # as "... bwd" and "... step" columns
 SWEEP = [
     dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
     for m, n, w, s in ((128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3))
 ]
 
 
-def table(rows, columns, ours_columns, peer_columns):
-    """Rows of TFLOP/s per column, then each of ``ours_columns`` over the best of ``peer_columns``."""
-    ratio_names = [f"{c.split()[0]}/best" for c in ours_columns]
-    head = f"{'workload':<28}{'D':>4}" + "".join(f"{c:>16}" for c in columns + ratio_names)
+def table(rows, columns, ours_columns, suffix=""):
+    """TFLOP/s of each of ``columns`` (named with ``suffix`` in the rows) that some row has, FA4's
+    always ("-" where a row lacks one), then each of ``ours_columns`` over the row's reference: the first
+    of REFERENCES that it has, which the last column names."""
+    shown = [c for c in columns if c == "fa4" or any(c + suffix in row["tflops"] for row in rows)]
+    widths = [len(c) + 6 for c in ours_columns]  # of the ratio columns, "c/ref" and two spaces
+    head = (f"{'workload':<31}{'D':>4}" + "".join(f"{c:>12}" for c in shown)
+            + "".join(f"{c + '/ref':>{n}}" for c, n in zip(ours_columns, widths)) + f"{'ref':>13}")
     lines = [head, "-" * len(head)]
     for row in rows:
-        tf = row["tflops"]
-        peers = [tf[c] for c in peer_columns if c in tf]
-        cells = "".join(f"{tf[c]:>16.0f}" if c in tf else f"{'-':>16}" for c in columns)
-        ratios = "".join(f"{tf[c] / max(peers):>15.2f}x" if peers and c in tf else f"{'':>16}" for c in ours_columns)
-        lines.append(f"{row['workload']:<28}{row['head_dim']:>4}{cells}{ratios}")
+        tf = {column[: len(column) - len(suffix)]: v for column, v in row["tflops"].items() if column.endswith(suffix)}
+        ref = next((c for c in REFERENCES if c in tf), None)
+        cells = "".join(f"{tf[c]:>12.0f}" if c in tf else f"{'-':>12}" for c in shown)
+        ratios = "".join(f"{tf[c] / tf[ref]:>{n - 1}.2f}x" if ref and c in tf else f"{'-':>{n}}"
+                         for c, n in zip(ours_columns, widths))
+        lines.append(f"{row['workload']:<31}{row['head_dim']:>4}{cells}{ratios}{ref or '-':>13}")
     return "\n".join(lines)
 
 
-def plot(rows, path):
+def plot(result, path):
+    """Bar charts of ``result["rows"]``' TFLOP/s, a panel per stage (by the last word of each column's
+    name), titled with the GPU, date and version: any bench.json of this script, earlier ones included."""
     try:
         import matplotlib
 
@@ -306,18 +488,25 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib missing: run `scripts/bench.py --plot bench.json` elsewhere for the chart")
         return
+    rows = result["rows"]
+    columns = {title: [] for title in ("forward", "backward", "training step")}
+    for row in rows:
+        for column in row["tflops"]:
+            panel = columns[PANELS.get(column.split()[-1], "forward")]
+            if column not in panel:
+                panel.append(column)
+    panels = [(title, names) for title, names in columns.items() if names]
     labels = [f"{r['workload']}\nd{r['head_dim']}" for r in rows]
-    panels = [(title, [c for c in columns if any(c in r["tflops"] for r in rows)]) for title, columns in PANELS]
-    panels = [(title, columns) for title, columns in panels if columns]
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.6 * len(rows)), 4.5 * len(panels)), squeeze=False)
-    for ax, (title, columns) in zip(axes[:, 0], panels):
-        width = 0.8 / len(columns)
-        for i, column in enumerate(columns):
+    for ax, (title, names) in zip(axes[:, 0], panels):
+        width = 0.8 / len(names)
+        for i, column in enumerate(names):
             values = [r["tflops"].get(column, 0.0) for r in rows]
             ax.bar([x + i * width for x in range(len(rows))], values, width, label=column)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7)
         ax.set_ylabel(f"{title} TFLOP/s")
         ax.legend(fontsize=7)
+    axes[0, 0].set_title(f"{result['gpu']}, {result['date']}, {result['version']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -345,70 +534,112 @@ def git_version():
     return f"{described} src:{digest.hexdigest()[:12]}"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_listing():
+    """The workload sets for ``--help``, each workload with its index."""
+    lines = ["workloads (--set NAME, then --workloads by name or index):"]
+    for set_name, specs in WORKLOAD_SETS.items():
+        lines.append(f"  {set_name}:")
+        lines += [f"    {i}  {s.name} (Hq {s.heads_q}, Hkv {s.heads_kv or s.heads_q}, "
+                  f"{f'd{s.dim}' if s.dim else 'each --head-dims'})" for i, s in enumerate(specs)]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    """The command line; ``specs``: the chosen workloads of ``--set``."""
+    parser = argparse.ArgumentParser(description=__doc__, epilog=workload_listing(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    parser.add_argument("--backward", action="store_true")
-    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
+    parser.add_argument("--set", choices=list(WORKLOAD_SETS), default="fa4", help="workload set (listed below)")
+    parser.add_argument("--workloads", nargs="+", metavar="NAME|INDEX", help="only these of --set (default: all)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64],
+                        help="for workloads without a head_dim of their own (the design set)")
+    parser.add_argument("--backward", action="store_true", help="also backward and training-step columns")
+    parser.add_argument("--flex", action="store_true", help="also FlexAttention (its compiles take minutes)")
+    parser.add_argument("--no-flex", dest="flex", action="store_false", help="no FlexAttention (the default)")
     parser.add_argument("--flex-head-dims", type=int, nargs="*", default=[128])
+    parser.add_argument("--kernel", action="store_true", help="also our forward kernel alone and its rebase passes")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs on the first workload")
     parser.add_argument("--plot", help="only draw the chart of an earlier bench.json")
-    args = parser.parse_args()
+    parser.set_defaults(flex=False)
+    args = parser.parse_args(argv)
+    try:
+        args.specs = select(WORKLOAD_SETS[args.set], args.workloads)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def bench_row(spec: Spec, dim: int, args):
+    """The row of ``spec`` at head_dim ``dim``: every column's ms and TFLOP/s."""
+    w = Workload(*spec[:5], dim, heads_kv=spec.heads_kv)
+    sweep = SWEEP if args.sweep and spec is args.specs[0] else ()
+    measured = {}
+    for name, peer in PEERS:
+        if name != "flex" or (args.flex and dim in args.flex_head_dims):
+            attempt(f"{w.label} {name}", functools.partial(timed, name, peer, w, args.backward), measured)
+    attempt(f"{w.label} ours mxfp8", functools.partial(ours_mxfp8, w, args.kernel, sweep), measured)
+    tflops = {k: w.tflops(k, ms) for k, ms in measured.items() if " ms" not in k}
+    return dict(
+        workload=spec.name, head_dim=dim, heads=w.heads, heads_kv=w.heads_kv, causal=spec.causal,
+        batch=w.len_q.numel(), tokens_q=int(w.len_q.sum()), tokens_k=int(w.len_k.sum()), max_q=w.max_q,
+        max_k=w.max_k, flops=w.flops, ms=measured, tflops=tflops,
+    )
+
+
+def save(result, path):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def main():
+    args = parse_args()
     if args.plot:
         with open(args.plot) as f:
-            plot(json.load(f)["rows"], os.path.splitext(args.plot)[0] + ".png")
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
         return
+    import triton
+
+    start = time.time()
+    print(f"FA4: {fa4_version()}", flush=True)
     os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench.json")
     rows = []
-    for dim in args.head_dims:
-        for name, lengths, heads, causal, dense in WORKLOADS:
-            w = Workload(name, lengths, heads, causal, dense, dim)
-            measured = {}
-            sweep = SWEEP if args.sweep and name == WORKLOADS[0][0] else ()
-            runners = [lambda w, backward: ours(w, backward, sweep), varlen_fa2, cudnn_sdpa]
-            if not args.no_flex and dim in args.flex_head_dims:
-                runners.append(flex_doc_mask)
-            for runner in runners:
-                try:
-                    measured.update(runner(w, args.backward))
-                except Exception as error:  # a peer missing on this torch must not stop the run
-                    print(
-                        f"{name} d{dim} {getattr(runner, '__name__', 'ours')} failed: {type(error).__name__}: {error}"
-                    )
-            tflops = {k: w.tflops(k, ms) for k, ms in measured.items() if " ms" not in k}
-            rows.append(
-                dict(workload=name, head_dim=dim, heads=heads, causal=causal, flops=w.flops, ms=measured, tflops=tflops)
-            )
-            print(
-                f"{name} d{dim}: "
-                + ", ".join(f"{k} {v:.0f}" for k, v in tflops.items())
-                + "; "
-                + ", ".join(f"{k} {v:.3f}" for k, v in measured.items() if " ms" in k),
-                flush=True,
-            )
-            del w
-            torch.cuda.empty_cache()
     result = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         version=git_version(),
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
-        ceilings=ceilings(),
+        triton=triton.__version__,
+        fa4=fa4_version(),
+        argv=sys.argv[1:],
         rows=rows,
     )
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    plot(rows, os.path.join(args.out, "bench.png"))
-    print(f"\n{result['gpu']}, torch {result['torch']}, {result['date']}, version {result['version']}")
+    for spec in args.specs:
+        for dim in [spec.dim] if spec.dim else args.head_dims:
+            row = bench_row(spec, dim, args)
+            torch.cuda.empty_cache()
+            rows.append(row)
+            save(result, path)  # row by row: a run stopped at a time limit keeps the rows it finished
+            print(
+                f"[{time.time() - start:4.0f} s] {spec.name} d{dim}: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items())
+                + "; "
+                + ", ".join(f"{k} {v:.3f}" for k, v in row["ms"].items() if " ms" in k),
+                flush=True,
+            )
+    result["ceilings"] = ceilings()
+    save(result, path)
+    plot(result, os.path.join(args.out, "bench.png"))
+    print(f"\n{result['gpu']}, torch {result['torch']}, triton {result['triton']}, FA4 {result['fa4']}, "
+          f"{result['date']}, version {result['version']}")
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in result["ceilings"].items()))
-    print("forward TFLOP/s")
-    print(table(rows, FORWARD_COLUMNS, ["ours mxfp8", "fast mxfp8"], BF16_PEERS))
+    print("forward TFLOP/s; x/ref: ours over the row's reference peer")
+    print(table(rows, FORWARD_COLUMNS, ["ours", "fast", "ours mxfp8", "fast mxfp8"]))
     if args.backward:
         print("backward TFLOP/s")
-        print(table(rows, BACKWARD_COLUMNS, BACKWARD_COLUMNS[:2], BACKWARD_COLUMNS[2:]))
+        print(table(rows, GRADIENT_COLUMNS, ["ours", "fast"], " bwd"))
         print("training step (forward + backward through autograd) TFLOP/s")
-        print(table(rows, STEP_COLUMNS, STEP_COLUMNS[:2], STEP_COLUMNS[2:]))
+        print(table(rows, GRADIENT_COLUMNS, ["ours", "fast"], " step"))
 
 
 if __name__ == "__main__":
