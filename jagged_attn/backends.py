@@ -14,7 +14,7 @@ Every backend offers the same three entry points:
 ``reference`` is the spec in plain torch (any device); ``triton`` is the Hopper (sm_90) path,
 with S = QK^T exact in the forward and S and dP = dO V^T exact in the backward (bf16 MMAs on the
 MX values: O within ~4e-3 and gradients within ~5e-3 of the reference on every input kind,
-docs/PERF.md); ``triton-fast`` is the same with S and dP from FP8 wgmma, whose reduced-precision
+docs/perf-history.md); ``triton-fast`` is the same with S and dP from FP8 wgmma, whose reduced-precision
 accumulation puts O 1-4e-2 and the gradients 2e-2 to 2e-1 from the reference where scores are
 large (outlier channels, heavy-tailed norms, peaked attention), for 1.1x the forward's and
 1.1-1.2x the backward's speed at head_dim 128; ``exact`` is the spec-exact ``tl.dot_scaled`` path

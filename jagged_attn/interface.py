@@ -41,7 +41,7 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: t
     """Both offsets valid for their rows, on ``device`` and of one batch size (``ValueError`` naming
     them otherwise). Offsets not yet known valid are read before anything else runs (kernels given bad
     offsets could read and write out of bounds), both in one wait for the device (nine waits made one
-    took an H200's training step from 30.98 to 28.76 ms, docs/PERF.md v15)."""
+    took an H200's training step from 30.98 to 28.76 ms, docs/perf-history.md v15)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:
         check_offsets_type(offsets, name)

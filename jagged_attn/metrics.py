@@ -1,4 +1,4 @@
-"""Accuracy metrics of DESIGN.md section 7: relative L2 error and cosine similarity (in float64)."""
+"""Accuracy metrics of docs/DESIGN.md section 7: relative L2 error and cosine similarity (in float64)."""
 
 from __future__ import annotations
 

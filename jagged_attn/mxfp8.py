@@ -1,6 +1,6 @@
 """``MXFP8Jagged``: jagged FP8 values at their unpadded offsets plus tiled E8M0 scales.
 
-Two quantization axes (DESIGN.md section 3-4):
+Two quantization axes (docs/DESIGN.md section 3-4):
 
 * ``"feature"``: 32-element blocks along head_dim. Scale matrix per head: rows = tokens at their
   padded rows ``(offsets[b] // 128 + b) * 128 + i`` (``padded_total`` rows), columns = D/32 blocks.
@@ -180,7 +180,7 @@ def checked_after(magnitudes: torch.Tensor | None, names, run):
     memory in a copy queued behind what forms them, and the host waits for that copy alone, not for the
     kernels queued after it (a wait drains the GPU's queue, which then idles while the host launches
     what follows: reading the check after the kernels took 0.25-0.68 ms off an H200 training step,
-    docs/PERF.md v16)."""
+    docs/perf-history.md v16)."""
     if magnitudes is None:
         return run()
     copied = None

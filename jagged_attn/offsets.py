@@ -56,7 +56,7 @@ def value_checks(enabled: bool):
     contents, NaN/Inf in inputs and in the producers' results) run (``True``, the default outside any
     block) or are skipped (``False``). A call whose offsets tensors are new waits for the device once
     before its kernels, which leaves a GPU idle while the host launches what follows (1.2-2.9 ms of a
-    28.6-29.8 ms training step of ``jagged_attention`` on an H200, docs/PERF.md v15); with offsets
+    28.6-29.8 ms training step of ``jagged_attention`` on an H200, docs/perf-history.md v15); with offsets
     already checked it waits after queuing its kernels, for its NaN/Inf check alone (v16). A training
     loop over trusted data can skip them. Checks of dtypes, shapes and devices always run. Unchecked
     bad offsets can make kernels read or write out of bounds."""

@@ -3,7 +3,7 @@
 It is the oracle every kernel is tested against, so it is written for obviousness, one sequence
 at a time. Inputs are the dequantized MXFP8 operands (exact float32 values); S and the softmax run
 in ``compute_dtype`` (float32, or float64 for tests); P = exp2(s - ceil(rowmax)) is cast to e4m3 on the
-static 2^8 scale while the row sum uses the unquantized P (DESIGN.md section 3; the integer row
+static 2^8 scale while the row sum uses the unquantized P (docs/DESIGN.md section 3; the integer row
 max is our refinement, see ``_softmax_parts``). ``fp8=False`` turns every
 quantization off, giving exact attention (used to gradcheck the backward formulas).
 """

@@ -341,7 +341,7 @@ def dkdv_kernel(
     query tile is BLOCK_M = 64 wide.
 
     dV = P^T dO (P on the static 2^8 scale, dO on the sequence axis); dK = dS^T Q (Q on the sequence
-    axis); S and dP from head_dim-axis Q, K, V, dO (DESIGN.md section 3).
+    axis); S and dP from head_dim-axis Q, K, V, dO (docs/DESIGN.md section 3).
     """
     tile, seq = grid_split(batch)
     kv_head = tl.program_id(1)

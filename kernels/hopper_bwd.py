@@ -1,10 +1,10 @@
 """Varlen MXFP8 attention backward for Hopper (sm_90): FlashAttention-2 dataflow in Triton.
 
-Dataflow (DESIGN.md section 3), recomputing P from the forward's LSE:
+Dataflow (docs/DESIGN.md section 3), recomputing P from the forward's LSE:
 ``Delta = rowsum(dO * O)``; ``P = exp(S - LSE)``; ``dV = P^T dO``; ``dP = dO V^T``;
 ``dS = P * (dP - Delta)``; ``dQ = dS K * scale``; ``dK = dS^T Q * scale``.
 
-Scales on Hopper (DESIGN.md section 6). FP8 wgmma has no block-scaled mode, so every operand's
+Scales on Hopper (docs/DESIGN.md section 6). FP8 wgmma has no block-scaled mode, so every operand's
 scale is kept constant along the reduction of the GEMM that reads it and applied outside it:
 
 * head_dim axis (Q, K for S; dO, V for dP): one scale per token, i.e. the spec's 32-wide MX
@@ -40,7 +40,7 @@ storing the sequence-axis copies in the token orders it reads; its dQ sums scale
 :func:`_finish_dq_kernel`), by default on bf16 copies of Q, K, V and dO's MX values so that S
 and dP are exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which on
 heavy-tailed or outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1
-(docs/PERF.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3 (v7, v8);
+(docs/perf-history.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3 (v7, v8);
 the Triton kernels run in the CPU interpreter (CI).
 """
 
@@ -80,10 +80,10 @@ from .schedule import SLOT_TOKENS, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 # Warps of the producer's two passes (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms with four each
-# against eight, docs/PERF.md v9; the amax pass then 0.101 -> 0.080 ms with two, ads K 0.465 -> 0.351, v16),
+# against eight, docs/perf-history.md v9; the amax pass then 0.101 -> 0.080 ms with two, ads K 0.465 -> 0.351, v16),
 # and of the dQ finish pass. Both passes take their 128-token slot in chunks of PRODUCER_CHUNK tokens (a
 # power of two from 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms against whole slots; 32
-# and 16, though lighter on registers, 0.488 and 0.858 (docs/PERF.md v14). Re-swept with the heads of a
+# and 16, though lighter on registers, 0.488 and 0.858 (docs/perf-history.md v14). Re-swept with the heads of a
 # slot fastest (v17): the same choices.
 AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
@@ -91,7 +91,7 @@ PRODUCER_CHUNK = 64
 FINISH_DQ_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
-# the reference on peaked inputs and was not slower (docs/PERF.md), so it is the GPU default.
+# the reference on peaked inputs and was not slower (docs/perf-history.md), so it is the GPU default.
 PRECISE_ACC_STEP = 32
 HEAD_DIMS = (64, 128)
 
@@ -614,7 +614,7 @@ GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
 # The Triton dK/dV kernel's GPU-tuned tiles (kernel="triton" on a GPU: 1.6x slower than the Gluon
-# kernel on an H200, and its FP8 S misses the accuracy bar on outlier channels, docs/PERF.md).
+# kernel on an H200, and its FP8 S misses the accuracy bar on outlier channels, docs/perf-history.md).
 GPU_TRITON_CONFIG = dict(kernel="triton", block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8,
                          num_stages=3)
 KERNELS = ("triton", "gluon")
@@ -798,7 +798,7 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
 
 def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
                        deterministic: bool = False, scores: str = "bf16", kernel: str | None = None):
-    """dQ, dK, dV of varlen MXFP8 attention (DESIGN.md section 3 dataflow, Hopper scale handling).
+    """dQ, dK, dV of varlen MXFP8 attention (docs/DESIGN.md section 3 dataflow, Hopper scale handling).
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``, high precision (fp32, bf16
     or fp16); lse: float32 ``[total_q, Hq]``, natural log, -inf for rows that see no key;
@@ -809,9 +809,9 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
     S and dP come from bf16 MMAs on the MX values of Q, K, V and dO (exact), with "fp8" from FP8
     wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128, producers included): 19.7 /
-    18.6 ms, cuDNN BF16 20.4 ms (bench of 2026-12-01 02:01, docs/PERF.md v20); gradients within 5e-3
+    18.6 ms, cuDNN BF16 20.4 ms (bench of 2026-12-01 02:01, docs/perf-history.md v20); gradients within 5e-3
     of the reference backend on all four input kinds of the tests with "bf16", 1.5e-2 to 2e-1 on
-    heavy-tailed and outlier inputs with "fp8" (docs/PERF.md, v6-v13). ``kernel="triton"`` runs the
+    heavy-tailed and outlier inputs with "fp8" (docs/perf-history.md, v6-v13). ``kernel="triton"`` runs the
     Triton kernel there instead (45.9 ms); the CPU interpreter runs it.
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
@@ -819,7 +819,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     ``deterministic=True`` computes dQ in a separate Triton kernel per query tile that loops over
     its key tiles in order (S and dP from the same copies, so exact with ``scores="bf16"``):
     bit-identical results, at the price of recomputing S and dP there: 40.9 ms on the same H200
-    workload (docs/PERF.md, v8).
+    workload (docs/perf-history.md, v8).
     """
     _check_inputs(dout, q, k, v, out, lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

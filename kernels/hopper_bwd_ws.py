@@ -28,20 +28,20 @@ S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX 
 (``exact_scores``, the default: fp32 accumulation, so S and dP are exact, with no token scales
 left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
-outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; PERF.md v6-v8).
+outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md v6-v8).
 Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
 producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
 scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/PERF.md, v8-v13): exact S and dP 1.01x cuDNN's BF16 backward (dense d128,
+Measured on an H200 (docs/perf-history.md, v8-v13): exact S and dP 1.01x cuDNN's BF16 backward (dense d128,
 2026-11-30 14:45; causal 0.94x), gradients within 5e-3 of the reference backend on every input kind
 of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of the reference's; FP8 S and dP
 (backend ``triton-fast``) 1.09x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier
 inputs. The consumers are at their register ceiling and sensitive to every instruction; with them
 sped up (v13) the dQ warpgroup bounds the kernel: its loads and dQ steps (publishing, wgmmas,
-staging, reduce-adds) add ~5 ms to the consumers' ~13.7 (PERF.md v11-v13).
+staging, reduce-adds) add ~5 ms to the consumers' ~13.7 (docs/perf-history.md v11-v13).
 """
 from __future__ import annotations
 
@@ -408,7 +408,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # step's wgmmas): bf16 copies (the exact path) and 16-bit gradients; not the FP8 path's e4m3
         # buffers, nor fp32 gradients. Through them, then stored from a layout in which each warp writes
         # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
-        # instruction) these stores took 1.25 of the ads batch's 5.25 ms (docs/PERF.md v18); staged,
+        # instruction) these stores took 1.25 of the ads batch's 5.25 ms (docs/perf-history.md v18); staged,
         # that kernel takes 4.43 (v19).
         rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
         dk_out = layout.gluon_restage(dk_out, k_smem, rows_layout)

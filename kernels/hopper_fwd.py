@@ -19,7 +19,7 @@ the longest-first order of ``schedule.work_list``.
 
 On a GPU, ``attention_forward(_hp)`` run the warp-specialized Gluon version of this algorithm
 (``hopper_fwd_ws``: same operands, same softmax, 1.1x this kernel at d128, 1.6x with exact S,
-docs/PERF.md) for the S modes and head dims it has; this Triton kernel is what the CPU
+docs/perf-history.md) for the S modes and head dims it has; this Triton kernel is what the CPU
 interpreter executes (CI) and serves the other configurations.
 """
 
@@ -47,14 +47,14 @@ FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_o
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
-    """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/PERF.md): one
+    """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/perf-history.md): one
     warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
 
     SCORES picks how S = Q K^T is computed: "fp8" is FP8 wgmma with its fast accumulation over all
     of D; "fp8-promoted" adds the partial sums in fp32 every 32-wide k step; "bf16" upcasts the e4m3
     operands (exactly) and runs a bf16 wgmma, so S is exact up to fp32 accumulation, at half the MMA
     rate for this product (bf16 K tiles take twice the shared memory: two stages at d128). Measured
-    with ``scripts/fwd_precision.py`` (docs/PERF.md)."""
+    with ``scripts/fwd_precision.py`` (docs/perf-history.md)."""
     if scores not in SCORE_MODES:
         raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
     stages = 2 if scores == "bf16" and head_dim > 64 else 3

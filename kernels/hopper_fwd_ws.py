@@ -131,7 +131,7 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
-    here: the softmax's own latency, not the MMA waits, sets the pace (docs/PERF.md v21)."""
+    here: the softmax's own latency, not the MMA waits, sets the pace (docs/perf-history.md v21)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_N, 16 if EXACT else 8)  # bf16 or e4m3 operands
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
@@ -200,7 +200,7 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=o_rows)
     if out.dtype.element_ty.primitive_bitwidth == q_smem.dtype.primitive_bitwidth:
         # Through this consumer's Q buffer (free after the last S wgmma; bf16 on the exact path, where O
-        # is 16-bit too), then stored in whole rows: ragged batches' forward kernel -5% (docs/PERF.md v20).
+        # is 16-bit too), then stored in whole rows: ragged batches' forward kernel -5% (docs/perf-history.md v20).
         rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
         o = layout.gluon_restage(o, q_smem, rows_layout)
         o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))

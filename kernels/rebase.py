@@ -1,7 +1,7 @@
 """Rebasing MXFP8 operands for Hopper's FP8 wgmma, which has no block-scaled MMA.
 
 A GEMM can only factor a scale out of its fp32 result if the scale is constant along the
-reduction (DESIGN.md section 6). So each operand is re-expressed on one exponent per
+reduction (docs/DESIGN.md section 6). So each operand is re-expressed on one exponent per
 non-reduced index, in one pass over the data (two for the sequence axis):
 
 * feature axis (Q, K): the D/32 block exponents of a group of tokens (one token for Q; one KV
@@ -12,7 +12,7 @@ non-reduced index, in one pass over the data (two for the sequence axis):
   absolute error stays below the rounding error of the group's largest elements.
   Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``. (From high-precision
   values with one group per 128-token tile, each tile is read for its maximum first, then again in
-  chunks, just read, so mostly from L2 by the measured time: docs/PERF.md v15.) The ``exact`` form
+  chunks, just read, so mostly from L2 by the measured time: docs/perf-history.md v15.) The ``exact`` form
   (for S from a bf16 MMA) skips the shift: each element becomes its MX value in bf16, which holds
   every e4m3 value times a power of two exactly, and the factors are 1.
 * sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
@@ -24,7 +24,7 @@ non-reduced index, in one pass over the data (two for the sequence axis):
   and the int32 exponent bytes ``[H, B, D]``. Two passes over the tiles in parallel: the first
   folds each tile's channel maxima into the exponents (atomic max), the second rebases and stores
   each tile transposed from registers. (One read would need per-(KV tile, channel) factors in the
-  forward's P·V, measured 0.71-0.77x its speed on an H200: docs/PERF.md.)
+  forward's P·V, measured 0.71-0.77x its speed on an H200: docs/perf-history.md.)
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
 tiled scale buffer) or high-precision values, quantized here with the same numbers as
@@ -50,7 +50,7 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # Launch choices: warps of a feature-axis program (one (128-token tile, head)); channels and warps
 # of a sequence-axis program (each pass: one (128-token tile, head, chunk of channels)), by input:
 # high-precision values (quantized in the pass) or MXFP8 (its bytes read). Measured on an H200
-# (docs/PERF.md, 2026-11-30 07:00-07:11 UTC, scripts/bench_rebase.py and bench.py): from bf16, V's two
+# (docs/perf-history.md, 2026-11-30 07:00-07:11 UTC, scripts/bench_rebase.py and bench.py): from bf16, V's two
 # passes took 329-391 us with 32 channels on 1 warp against 470-578 us with 128 on 4 (bf16 [65536,
 # 16, 128], four batch kinds; 8 or 16 warps slower still); from MXFP8, 32 on 1 made the ads batch's
 # K/V rebasing slower (1.19 ms against 0.90 before this change), so MXFP8 keeps 128 on 4.
@@ -66,7 +66,7 @@ FEATURE_CONFIG = dict(num_warps=4)
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
 # whole slots. H200, bf16 [262144, 16, 128], against whole slots (2026-11-30 16:18, 16:27): exact values
 # 622-662 -> 550 us with one factor per token, 551-579 -> 544-546 with one per 128 tokens; from MXFP8
-# chunks were 1% slower (docs/PERF.md v14).
+# chunks were 1% slower (docs/perf-history.md v14).
 FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=2), "mxfp8": dict(BLOCK_D=128, num_warps=4)}

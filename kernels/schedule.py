@@ -11,7 +11,7 @@ is known on the host without reading the offsets; a slot finds its sequence by b
 GPU hands programs out in launch order, so the long tiles start first and the short ones fill the
 gaps (longest-processing-time-first); empty slots sit at the end. Either costs one kernel launch
 (plus a sort for the work list): a training step builds six tables, and launching a few dozen small
-torch ops per table left the GPU idle while the host worked (docs/PERF.md v16). Extra memory: 8
+torch ops per table left the GPU idle while the host worked (docs/perf-history.md v16). Extra memory: 8
 bytes per slot.
 """
 

@@ -10,7 +10,7 @@ take minutes). Each ratio column is ours over the row's reference: FA4 where it 
 (dense rows), else ``varlen_attn``; the last column names it.
 
 Workload sets (``--set``; ``--help`` lists them with the indices ``--workloads`` takes): ``fa4``
-(the default), each workload at its own head_dim, and ``design``, DESIGN.md section 8's, at each of
+(the default), each workload at its own head_dim, and ``design``, docs/DESIGN.md section 8's, at each of
 ``--head-dims``. Causal masks are bottom-right aligned. TFLOP/s count
 ``4 * sum_b visible(q, k pairs) * D * Hq`` (backward: 2.5x that; a training step, forward +
 backward through autograd: 3.5x). Every timing is the median of ``triton.testing.do_bench`` on
@@ -128,7 +128,7 @@ WORKLOAD_SETS = {
         Spec("tiny-query cross 2048 h8", tiny_query_lengths, 8, False, False, dim=128),
         Spec("dense 8x8k h16 d64", dense_8k, 16, False, True, dim=64),
     ],
-    "design": [  # DESIGN.md section 8
+    "design": [  # docs/DESIGN.md section 8
         Spec("dense 8x8192 h16", dense_8k, 16, False, True),
         Spec("dense 8x8192 h16 causal", dense_8k, 16, True, True),
         Spec("llm 48 ragged h16", llm_lengths, 16, False, False),

@@ -5,7 +5,7 @@ against the same layer in BF16 with torch ``varlen_attn``, same weights, same ru
 
     python3 scripts/bench_module.py [--out DIR]
 
-Workload: the ragged LLM batch of DESIGN.md section 8 (48 lognormal lengths, bench.py's seed),
+Workload: the ragged LLM batch of docs/DESIGN.md section 8 (48 lognormal lengths, bench.py's seed),
 dim 2048, 16 heads of 128, causal and not, with and without QK RMSNorm, bf16 parameters and
 activations. A step is forward + backward to the input and every parameter
 (``torch.autograd.grad``), timed as the median of ``triton.testing.do_bench``. Prints a table

@@ -1,5 +1,5 @@
 """fp64 attention on padded dense tensors (torch SDPA with masks): an oracle independent of the
-jagged code paths. Rows that see no key are defined as 0 with LSE = -inf (DESIGN.md section 5)."""
+jagged code paths. Rows that see no key are defined as 0 with LSE = -inf (docs/DESIGN.md section 5)."""
 
 from __future__ import annotations
 

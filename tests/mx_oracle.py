@@ -1,4 +1,4 @@
-"""An independent MXFP8 oracle in numpy: written from DESIGN.md's text, sharing no code with
+"""An independent MXFP8 oracle in numpy: written from docs/DESIGN.md's text, sharing no code with
 ``jagged_attn`` (no bit tricks for the exponent, a table search for e4m3 rounding, loops for the
 jagged placement, and torch's own ``to_blocked`` for the tile swizzle)."""
 

@@ -100,7 +100,7 @@ def test_sm90_builds_with_emulated_scaling(kernel, dot_sites, block_m):
 
 
 def make_inputs(kind: str, total: int, heads: int, head_dim: int, device) -> torch.Tensor:
-    """float32 ``[total, heads, D]`` test values of one of the DESIGN.md section 7 families."""
+    """float32 ``[total, heads, D]`` test values of one of the docs/DESIGN.md section 7 families."""
     x = torch.randn(total, heads, head_dim, device=device)
     if kind == "outlier":  # a few channels 30x larger
         x[..., torch.randperm(head_dim, device=device)[:4]] *= 30.0

@@ -41,7 +41,7 @@ def cosine(x, ref):
 
 
 def make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, *, device="cpu", dtype=torch.float32, kind="gaussian"):
-    """Random jagged q, k, v, dout of an input family (DESIGN.md section 7) and their offsets."""
+    """Random jagged q, k, v, dout of an input family (docs/DESIGN.md section 7) and their offsets."""
     offsets_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device)
     offsets_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device)
     total_q, total_k = sum(lengths_q), sum(lengths_k)
@@ -472,7 +472,7 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
     """Both passes of the producer as the default backward launches them for dO (Delta, the padded
     vectors, bf16 feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group
     of two) compile for sm_90 without spills, in at most 168 registers: three programs of four warps
-    per SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/PERF.md v14)."""
+    per SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14)."""
     ws = hopper_bwd_ws
     is_do = tensor == "dout"
     rows = dict(SCALE_ROW=-1 if is_do else ws.Q_FACTOR.value, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
@@ -509,9 +509,9 @@ def exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale):
                               compute_dtype=torch.float64, fp8=False)
 
 
-# What each backward variant is held to (DESIGN.md section 7 bars): the GPU default (Gluon kernel, exact S;
+# What each backward variant is held to (docs/DESIGN.md section 7 bars): the GPU default (Gluon kernel, exact S;
 # with deterministic=True its dQ kernel reads the same bf16 Q and K) on every input kind; variants whose S
-# comes from FP8 wgmma are only reported where that accumulation moves S too far (docs/PERF.md v6): the
+# comes from FP8 wgmma are only reported where that accumulation moves S too far (docs/perf-history.md v6): the
 # Triton kernel (kernel="triton", FP8 S promoted every 32 channels) on outlier channels (~0.1) and
 # heavy-tailed inputs (1-2e-2 measured, up to 6e-2 in the CPU model), backend triton-fast's FP8 S on both.
 ACCURACY_VARIANTS = [  # (deterministic, config, kinds asserted)
@@ -724,6 +724,6 @@ def test_gpu_preprocessing_bandwidth():
     print(f"[bwd-producer] copy {copy_bandwidth:.0f} GB/s; dO producer {produce_ms:.3f} ms "
           f"{produce_bandwidth:.0f} GB/s = {produce_bandwidth / copy_bandwidth:.0%} of copy")
     # The issue's target is 70% (measured 70% on an H200 with four warps per pass, 57% with eight, 72% with
-    # each slot in chunks of 64 tokens, docs/PERF.md v14);
+    # each slot in chunks of 64 tokens, docs/perf-history.md v14);
     # the bar sits below it by the spread between runs, to catch a regression such as spills.
     assert produce_bandwidth >= 0.6 * copy_bandwidth

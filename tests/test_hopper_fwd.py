@@ -312,7 +312,7 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
     spans two chunks, read twice; forming the NaN/Inf check's flag), compiles for sm_90 without
     spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
-    in chunks on an H200, docs/PERF.md v15; the magnitude formed before the chunk's store took 108, v17)."""
+    in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17)."""
     names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, INTERPRET=False)
@@ -353,7 +353,7 @@ GPU_CASES = [
 # DeepSeek-V3 reports for H800), so S carries an error relative to its own magnitude. Where scores
 # are large (outlier channels, heavy-tailed norms, peaked attention) that moves P's e4m3 rounding
 # against the fp64 reference: measured on an H200, O differs from the reference by 2-4e-2 relative
-# L2 while the cosine against fp64 stays within ~1e-4 of the reference's (docs/PERF.md).
+# L2 while the cosine against fp64 stays within ~1e-4 of the reference's (docs/perf-history.md).
 FP8_ACCUMULATION = "Hopper FP8 wgmma accumulation precision; see the comment above GPU_KINDS"
 GPU_KINDS = [
     "gaussian",
@@ -395,6 +395,36 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="fp8"):
         f"{cosine(out, exact_out):.6f} (reference {cosine(ref_out, exact_out):.6f}); LSE error {lse_error:.1e}"
     )
     return out, lse, ref_out, ref_lse, exact_out, (mq.dequantize(), mk.dequantize(), offsets_q, offsets_k, scale)
+
+
+# Hopper's FP8 wgmma truncates its sums against the accumulator's magnitude. Each tile's P·V goes
+# into a fresh accumulator (hopper_fwd_ws._issue_pv): accumulated into the running O instead, a V far
+# from zero mean lost a quarter of O over 16k keys (docs/perf-history.md v21). Within a tile's four
+# k32 steps the truncation is still there: on such a V the error against fp64 is ~1.26x the reference
+# backend's (measured 2026-12-02), where the accuracy policy asks for at most 1.05x.
+POLICY_O_RATIO = 1.05
+BIASED_V_GAP = "FP8 wgmma truncation inside a tile's P·V on a V of large mean: ~1.26x the reference's error"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores", ["fp8", "bf16"])
+@pytest.mark.parametrize("v_mean", [0.0, pytest.param(3.0, marks=pytest.mark.xfail(reason=BIASED_V_GAP, strict=True))])
+def test_gpu_long_sequence_error_against_fp64_is_the_reference_backends(poisoned, scores, v_mean):
+    """One 16,384-token sequence (128 key tiles accumulated), 2 heads: O's error against fp64
+    attention on the unquantized inputs at most 1.05x the reference backend's on the same MXFP8 inputs."""
+    length, heads, dim = 16384, 2, 128
+    q, k, v, offsets_q, offsets_k = make_inputs([length], [length], heads, heads, dim)
+    q, k, v = q.bfloat16(), k.bfloat16(), (v + v_mean).bfloat16()
+    mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
+    scale = dim**-0.5
+    out, _, ref_out, _ = forward_and_reference(mq, mk, mv, False, scale, scores)
+    truth = torch.empty(length, heads, dim, dtype=torch.float64, device=DEVICE)
+    for start in range(0, length, 2048):  # fp64 attention, 2048 queries at a time
+        s = torch.einsum("qhd,khd->hqk", q[start:start + 2048].double(), k.double()) * scale
+        truth[start:start + 2048] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.double())
+    ours, theirs = relative_l2(out, truth), relative_l2(ref_out, truth)
+    print(f"[{scores}] V mean {v_mean}: O rel-L2 vs fp64 {ours:.4e}, reference backend {theirs:.4e}")
+    assert ours <= POLICY_O_RATIO * theirs
 
 
 @pytest.mark.gpu

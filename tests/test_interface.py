@@ -271,7 +271,7 @@ def test_nested_tensors_in_and_out_match_sdpa(heads_first):
 def test_gpu_backends_through_the_public_api(backend, dtype):
     """jagged_attention on CUDA (auto = triton on Hopper): forward, LSE and gradients against the
     reference backend on the same inputs (Gaussian, ragged, cross, causal, GQA), in the inputs' dtype
-    (fp32 gradients once went wrong where bf16 ones were right: docs/PERF.md v19)."""
+    (fp32 gradients once went wrong where bf16 ones were right: docs/perf-history.md v19)."""
     q, k, v, oq, ok = _inputs(lengths_q=(0, 1, 31, 129, 700), lengths_k=(5, 64, 33, 128, 900), hq=8, hkv=2,
                               dim=128, dtype=dtype)
     q, k, v, oq, ok = (x.cuda() for x in (q, k, v, oq, ok))
@@ -297,7 +297,7 @@ def test_gpu_training_step_waits_for_the_device_once(checks, waits):
     """A forward + backward of jagged_attention (backend triton, bf16) copies from the device to the
     host once: the validation's one read of the offsets' facts and the inputs' finiteness; never
     inside ``value_checks(False)``. Every wait leaves the GPU idle while the host launches what follows
-    (making nine waits one took an H200's step from 30.98 to 28.76 ms, docs/PERF.md v15); the kernels'
+    (making nine waits one took an H200's step from 30.98 to 28.76 ms, docs/perf-history.md v15); the kernels'
     own launches need none."""
     q, k, v, oq, ok = (x.cuda() for x in _inputs(lengths_q=(0, 1, 129, 700), lengths_k=(5, 64, 128, 900), hq=4,
                                                  hkv=2, dim=128, dtype=torch.bfloat16))

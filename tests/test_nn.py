@@ -466,7 +466,7 @@ def test_gpu_layer_step_waits_for_the_device_once(fused, checks, waits):
     """A training step of the layer (its offsets seen before) copies from the device to the host once,
     fused producers or not: the check of q, k, v's finiteness (the offsets are known valid); never
     inside ``value_checks(False)``. Twelve waits per step made the fused layer 15% slower than the
-    plain one on an H200 (docs/PERF.md v15)."""
+    plain one on an H200 (docs/perf-history.md v15)."""
     layer = JaggedAttention(256, 4, head_dim=64, causal=True, backend="triton", fused_producers=fused,
                             device="cuda", dtype=torch.bfloat16)
     offsets = offsets_from_lengths(torch.tensor(GPU_LENGTHS)).cuda()

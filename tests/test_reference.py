@@ -82,7 +82,7 @@ def test_rows_that_see_no_key():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_mxfp8_forward_accuracy_vs_fp64(causal):
-    """Spec emulation: close to fp64 on the unquantized inputs, as DESIGN.md section 7 measured."""
+    """Spec emulation: close to fp64 on the unquantized inputs, as docs/DESIGN.md section 7 measured."""
     q, k, v, oq, ok = _inputs([300, 129, 0, 700], [300, 64, 5, 700], 4, 2, 128, dtype=torch.float32)
     ref, _ = padded_attention(q.double(), k.double(), v.double(), oq, ok, causal)
     qd = quantize_mxfp8(q, oq).dequantize()
