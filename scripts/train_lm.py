@@ -1,0 +1,277 @@
+"""Training check: a small byte-level causal LM trained with each attention choice on the same data.
+
+The text is what every machine has without a download: the Python standard library's source files,
+one document per file (every 20th for validation), cut to ``--max-doc`` bytes. Documents are packed,
+in one fixed shuffled order, into jagged batches of about ``--batch-tokens`` bytes (the offsets mark
+the documents: attention never crosses one). The model: byte embedding, ``--layers`` blocks of
+[RMSNorm, attention with RoPE (GQA, head_dim 128 by default, optional QK RMSNorm), RMSNorm, SwiGLU
+MLP], tied output head; AdamW with warm-up and cosine decay, float32 weights, bf16 matmuls on CUDA.
+Every ``--attn`` choice starts from the same initial weights and sees the same batches:
+
+* one of our backends (``triton``, ``triton-fast``, ``exact``, ``reference``): ``jagged_attention``;
+* ``varlen``: torch ``varlen_attn`` in bf16 (FlashAttention-2);
+* ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` in bf16, where it imports.
+
+    python3 scripts/train_lm.py --attn triton-fast fa4 [--qk-norm] [--steps 500] --out OUT_DIR
+
+Prints the loss table (train loss, validation loss, median step time) last, writes ``train_lm.json``
+and, with matplotlib, ``train_lm.png`` (loss curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import statistics
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import jagged_attn as ja
+from jagged_attn.backends import BACKENDS
+from jagged_attn.offsets import offsets_from_lengths
+
+BF16_PEERS = ("varlen", "fa4")
+ROPE_BASE = 10000.0
+
+
+def documents(max_doc: int, limit: int | None = None) -> tuple[list[bytes], list[bytes]]:
+    """(train, validation) byte documents: the standard library's ``.py`` files (sorted by path, the
+    first ``limit``), each cut to ``max_doc`` bytes; every 20th goes to validation."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names
+                   if name.endswith(".py"))
+    train, validation = [], []
+    for index, path in enumerate(paths[:limit]):
+        with open(path, "rb") as source:
+            text = source.read(max_doc)
+        if len(text) >= 2:
+            (validation if index % 20 == 10 else train).append(text)
+    return train, validation
+
+
+def packed_batches(docs: list[bytes], batch_tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The documents in one shuffled order, packed into (bytes ``[total]`` int64, offsets ``[B+1]``)
+    batches of at most ``batch_tokens`` bytes (a longer document alone)."""
+    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+    batches, current, size = [], [], 0
+    for index in order:
+        if current and size + len(docs[index]) > batch_tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(docs[index])
+        size += len(docs[index])
+    if current:
+        batches.append(current)
+    return [(torch.frombuffer(bytearray(b"".join(batch)), dtype=torch.uint8).long(),
+             offsets_from_lengths(torch.tensor([len(doc) for doc in batch]))) for batch in batches]
+
+
+def attention_function(name: str):
+    """``attend(q, k, v, offsets, max_len) -> out`` (causal, ``[total, heads, head_dim]``) of an
+    ``--attn`` choice."""
+    if name in BACKENDS:
+        return lambda q, k, v, offsets, max_len: ja.jagged_attention(q, k, v, offsets, causal=True, backend=name)
+    if name == "varlen":
+        from bench import varlen_causal_kwargs
+        from torch.nn.attention.varlen import varlen_attn
+
+        options = varlen_causal_kwargs(True)
+        native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+        def attend(q, k, v, offsets, max_len):
+            if k.shape[1] != q.shape[1]:
+                if native_gqa:
+                    return varlen_attn(q, k, v, offsets, offsets, max_len, max_len, enable_gqa=True, **options)
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+            return varlen_attn(q, k, v, offsets, offsets, max_len, max_len, **options)
+
+        return attend
+    if name == "fa4":
+        from bench import fa4_import
+
+        fa4, why = fa4_import()
+        if fa4 is None:
+            raise SystemExit(f"--attn fa4: FlashAttention-4 does not import here ({why})")
+
+        def attend(q, k, v, offsets, max_len):
+            out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max_len,
+                                             max_seqlen_k=max_len, causal=True)
+            return out[0] if isinstance(out, tuple) else out
+
+        return attend
+    raise SystemExit(f"--attn must be one of {(*BACKENDS, *BF16_PEERS)}, got {name!r}")
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x [total, heads, head_dim]`` at each token's position in its document."""
+    half = x.shape[-1] // 2
+    frequencies = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions[:, None, None].float() * frequencies
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.out = nn.Linear(heads * head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(head_dim) if qk_norm else nn.Identity()
+        hidden = 256 * math.ceil(8 * dim / 3 / 256)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x, positions, offsets, max_len, attend):
+        q, k, v = self.qkv(self.attn_norm(x)).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q = rope(self.q_norm(q.unflatten(-1, (self.heads, self.head_dim))), positions)
+        k = rope(self.k_norm(k.unflatten(-1, (self.kv_heads, self.head_dim))), positions)
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
+        # Under autocast the norms give float32 and the projections bf16: the attention gets bf16 throughout.
+        x = x + self.out(attend(q.to(v.dtype), k.to(v.dtype), v, offsets, max_len).flatten(1))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class ByteLM(nn.Module):
+    def __init__(self, dim, layers, heads, kv_heads, head_dim, qk_norm):
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, head_dim, qk_norm) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+
+    def forward(self, tokens, offsets, attend):
+        """Next-byte logits ``[total, 256]`` of each document's bytes."""
+        offsets = offsets.to(torch.int32)  # cu_seqlens, as the BF16 peers take them
+        lengths = offsets.diff()
+        positions = torch.arange(tokens.shape[0], device=tokens.device) - offsets[:-1].repeat_interleave(lengths)
+        max_len = int(lengths.max())
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, offsets, max_len, attend)
+        return self.norm(x) @ self.embed.weight.t()
+
+
+def next_byte_loss(model, tokens, offsets, attend) -> torch.Tensor:
+    """Mean cross entropy of each byte but a document's first, predicted from the bytes before it."""
+    logits = model(tokens, offsets, attend)
+    first = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    first[offsets[:-1][offsets.diff() > 0]] = True
+    predicted = ~first  # byte t is predicted at t - 1, inside its document
+    return F.cross_entropy(logits[:-1][predicted[1:]].float(), tokens[1:][predicted[1:]])
+
+
+def train(attn: str, args, train_batches, val_batches, device) -> dict:
+    """One run: losses every ``--log-every`` steps, final validation loss, median step time."""
+    torch.manual_seed(args.seed)
+    model = ByteLM(args.dim, args.layers, args.heads, args.kv_heads, args.head_dim, args.qk_norm).to(device)
+    # float32 weights and optimizer state; on CUDA the matmuls in bf16 (autocast)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
+        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, args.steps - warmup))))))
+    attend = attention_function(attn)
+    log, times = [], []
+    for step in range(args.steps):
+        tokens, offsets = (x.to(device) for x in train_batches[step % len(train_batches)])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast:
+            loss = next_byte_loss(model, tokens, offsets, attend)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            log.append((step, float(loss.detach())))
+            print(f"[{attn}] step {step:5d} loss {log[-1][1]:.4f}", flush=True)
+    model.eval()
+    with torch.no_grad(), autocast:
+        losses = [(float(next_byte_loss(model, t.to(device), o.to(device), attend)), int(o[-1]))
+                  for t, o in val_batches]
+    validation = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+    step_ms = 1e3 * statistics.median(times[min(len(times) - 1, 5):])  # past compiles
+    return dict(attn=attn, train_log=log, validation_loss=validation, step_ms=step_ms)
+
+
+def plot(runs, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for run in runs:
+        steps, losses = zip(*run["train_log"])
+        axis.plot(steps, losses, label=f"{run['attn']} (val {run['validation_loss']:.4f})")
+    axis.set(xlabel="step", ylabel="train loss (nats / byte)", title=title)
+    axis.legend()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attn", nargs="+", default=["triton-fast", "varlen"])
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--qk-norm", action="store_true")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-tokens", type=int, default=65536)
+    parser.add_argument("--max-doc", type=int, default=8192, help="bytes kept of each document")
+    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--max-files", type=int, help="the first N files only (quick runs)")
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="train_lm_out")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    train_docs, val_docs = documents(args.max_doc, args.max_files)
+    train_batches = packed_batches(train_docs, args.batch_tokens, args.seed)
+    val_batches = packed_batches(val_docs, args.batch_tokens, args.seed)[:args.val_batches]
+    if not train_batches or not val_batches:
+        raise SystemExit(f"too few documents: {len(train_docs)} for training, {len(val_docs)} for validation")
+    print(f"{len(train_docs)} train / {len(val_docs)} validation documents, {len(train_batches)} train batches, "
+          f"{sum(len(d) for d in train_docs) / 1e6:.1f} MB", flush=True)
+    runs = [train(attn, args, train_batches, val_batches, device) for attn in args.attn]
+    os.makedirs(args.out, exist_ok=True)
+    title = (f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {args.layers} layers, "
+             f"d{args.head_dim}, {'QK-norm' if args.qk_norm else 'no QK-norm'}, {args.steps} steps")
+    with open(os.path.join(args.out, "train_lm.json"), "w") as f:
+        json.dump(dict(title=title, args=vars(args), runs=runs), f, indent=1)
+    plot(runs, os.path.join(args.out, "train_lm.png"), title)
+    print(f"\n{title}\n{'attention':14s} {'final train':>12s} {'validation':>11s} {'step ms':>8s}")
+    for run in runs:
+        print(f"{run['attn']:14s} {run['train_log'][-1][1]:12.4f} {run['validation_loss']:11.4f} {run['step_ms']:8.1f}")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
