@@ -150,6 +150,12 @@ class ByteLM(nn.Module):
         self.embed = nn.Embedding(256, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, head_dim, qk_norm) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
+        # GPT-2's initialization: logits near zero at the start (loss ln 256), residual branches scaled
+        # down with depth. (PyTorch's defaults, N(0, 1) embeddings tied to the head, start at ~800.)
+        for name, parameter in self.named_parameters():
+            if parameter.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("out.weight", "down.weight")) else 0.02
+                nn.init.normal_(parameter, std=std)
 
     def forward(self, tokens, offsets, attend):
         """Next-byte logits ``[total, 256]`` of each document's bytes."""

@@ -48,7 +48,7 @@ def test_a_few_steps_lower_the_loss(tmp_path):
     (run,) = runs
     losses = [loss for _, loss in run["train_log"]]
     assert all(math.isfinite(x) for x in losses) and math.isfinite(run["validation_loss"])
-    assert losses[0] > 5.0  # ln 256 = 5.55 at the start
+    assert abs(losses[0] - math.log(256)) < 0.3  # a uniform guess at the start
     assert min(losses[-4:]) < losses[0] - 1.0
     saved = json.loads((tmp_path / "train_lm.json").read_text())
     assert saved["runs"][0]["validation_loss"] == run["validation_loss"]
