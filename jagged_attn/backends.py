@@ -43,6 +43,7 @@ class Backend:
     forward_mx: Callable
     forward_hp: Callable
     backward: Callable
+    head_dims: tuple[int, ...] | None  # what its kernels support, forward and backward; None: any multiple of 32
 
 
 def _reference_forward_mx(q, k, v, causal, softmax_scale, out_dtype):
@@ -105,10 +106,11 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
             return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
                                           softmax_scale=softmax_scale, deterministic=deterministic, **options)
 
-    return Backend(name, forward_mx, forward_hp, backward)
+    head_dims = tuple(sorted(set(fwd.HEAD_DIMS) & set(bwd.HEAD_DIMS)))
+    return Backend(name, forward_mx, forward_hp, backward, head_dims)
 
 
-_REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward)
+_REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward, None)
 _KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both)
     "triton": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}),
     "triton-fast": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}),

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import ops
-from .backends import BACKENDS, auto_backend_name, check_kernel_device
+from .backends import BACKENDS, auto_backend_name, check_kernel_device, get_backend
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_values
 from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
@@ -61,7 +61,8 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     """``softmax_scale``, ``1/sqrt(head_dim)`` for None; a positive finite number (``ValueError`` otherwise)."""
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
-    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+    if isinstance(softmax_scale, bool) or not (
+            isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -120,6 +121,9 @@ def jagged_attention(
         ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
         High-precision inputs get gradients through autograd (quantization is straight-through).
     """
+    for flag, value in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {value!r}")
     q, offsets_q, nested_layout = _unpack(q, offsets_q, "q")
     k, offsets_k, _ = _unpack(k, offsets_k, "k")
     v, offsets_v, _ = _unpack(v, None, "v")
@@ -148,8 +152,6 @@ def jagged_attention(
             check_values(x, name, finite=False)  # finiteness below, read once the kernels are queued
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        if offsets_v is not None and offsets_k is not None and not _same_offsets(offsets_v, offsets_k):
-            raise ValueError("v's offsets must equal k's offsets")
     _check_shapes(q.data.shape if quantized else q.shape, k.data.shape if quantized else k.shape,
                   v.data.shape if quantized else v.shape)
     data = (q.data, k.data, v.data) if quantized else (q, k, v)
@@ -161,11 +163,16 @@ def jagged_attention(
             raise ValueError("offsets_k is required when q and k have different numbers of rows")
         offsets_k = offsets_q
     check_offsets_pair(offsets_q, data[0].shape[0], offsets_k, data[1].shape[0], device)
+    if not quantized and offsets_v is not None and not _same_offsets(offsets_v, offsets_k):
+        raise ValueError("v's offsets must equal k's offsets")
     # NaN/Inf in high-precision inputs: checked by the backend, read after it queues its kernels
     check_finite = not quantized and not any(skip_value_check(x) for x in data)
     softmax_scale = resolve_softmax_scale(softmax_scale, data[0].shape[2])
     name = auto_backend_name(device) if backend == "auto" else backend
     check_kernel_device(name, device)
+    head_dims = get_backend(name).head_dims
+    if head_dims is not None and data[0].shape[2] not in head_dims:
+        raise ValueError(f"backend={name!r} supports head_dim in {head_dims}, got {data[0].shape[2]}")
     if v_axis != "sequence" and name != "reference":
         raise ValueError(f"per-token V scales (v_scaling='token' / v.axis='feature') need backend='reference', "
                          f"not {name!r}")

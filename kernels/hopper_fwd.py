@@ -42,6 +42,7 @@ from .rebase import (
 from .schedule import work_list
 
 SCORE_MODES = ("fp8", "fp8-promoted", "bf16")
+HEAD_DIMS = hopper_fwd_ws.HEAD_DIMS  # the GPU kernel's; the Triton kernel serves the interpreter at those too
 SCORE_ACC_STEP = tl.constexpr(32)  # k step at which SCORES="fp8-promoted" adds partial sums in fp32
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
 

@@ -167,13 +167,30 @@ def _bad_calls():
     yield (mk, mq, mv, None, None), {}, ValueError, "v.offsets must equal"
     yield (q, k, v, oq, ok.to("meta")), {}, ValueError, "offsets_k"
     yield (q.to("meta"), k, v, oq, ok), {}, ValueError, "same device"
+    # Arguments once taken at their truthiness, or run with other offsets than given:
+    yield (q, k, v, oq, ok), {"causal": "no"}, TypeError, "causal must be a bool"
+    yield (q, k, v, oq, ok), {"deterministic": 1}, TypeError, "deterministic must be a bool"
+    yield (q, k, v, oq, ok), {"softmax_scale": True}, ValueError, "softmax_scale"
+    other = offsets_from_lengths(torch.tensor([40, 10, 26]))
+    yield (q, q, ja.JaggedTensor(q, other), oq, None), {}, ValueError, "v's offsets must equal k's"
+    # Head dims a backend's kernels lack: refused before any kernel is compiled.
+    wide = _inputs(dim=96)
+    yield wide, {"backend": "triton"}, ValueError, "supports head_dim in"
+    yield wide, {"backend": "exact"}, ValueError, "supports head_dim in"
 
 
-@pytest.mark.parametrize("case", range(23))
+
+@pytest.mark.parametrize("case", range(len(list(_bad_calls()))))
 def test_bad_input(case):
     args, kwargs, error, match = list(_bad_calls())[case]
     with pytest.raises(error, match=match):
         ja.jagged_attention(*args, **kwargs)
+
+
+def test_the_reference_backend_takes_any_head_dim_multiple_of_32():
+    q, k, v, oq, ok = _inputs(dim=96)
+    out = ja.jagged_attention(q, k, v, oq, ok, backend="reference")
+    assert out.shape == q.shape and torch.isfinite(out).all()
 
 
 def test_value_checks_off_skips_only_the_checks_that_read_values():
