@@ -141,6 +141,13 @@ def check_kernel_device(name: str, device: torch.device) -> None:
     raise ValueError(f"backend={name!r} needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU); use backend='reference'")
 
 
+def check_head_dim(name: str, head_dim: int) -> None:
+    """Raise ValueError unless backend ``name``'s kernels run at ``head_dim``."""
+    head_dims = get_backend(name).head_dims
+    if head_dims is not None and head_dim not in head_dims:
+        raise ValueError(f"backend={name!r} supports head_dim in {head_dims}, got {head_dim}")
+
+
 def auto_backend_name(device: torch.device) -> str:
     """``triton`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere."""
     if device.type != "cuda":

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import ops
-from .backends import BACKENDS, auto_backend_name, check_kernel_device, get_backend
+from .backends import BACKENDS, auto_backend_name, check_head_dim, check_kernel_device
 from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
 from .mxfp8 import MXFP8Jagged, check_values
 from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
@@ -170,9 +170,7 @@ def jagged_attention(
     softmax_scale = resolve_softmax_scale(softmax_scale, data[0].shape[2])
     name = auto_backend_name(device) if backend == "auto" else backend
     check_kernel_device(name, device)
-    head_dims = get_backend(name).head_dims
-    if head_dims is not None and data[0].shape[2] not in head_dims:
-        raise ValueError(f"backend={name!r} supports head_dim in {head_dims}, got {data[0].shape[2]}")
+    check_head_dim(name, data[0].shape[2])
     if v_axis != "sequence" and name != "reference":
         raise ValueError(f"per-token V scales (v_scaling='token' / v.axis='feature') need backend='reference', "
                          f"not {name!r}")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from . import fused_ops
-from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name
+from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name, check_head_dim
 from .interface import check_offsets_pair, jagged_attention, resolve_softmax_scale
 from .offsets import skip_value_check
 
@@ -62,6 +62,7 @@ class JaggedAttention(nn.Module):
             raise ValueError("pass context and offsets_kv together (cross-attention) or neither")
         source = x if context is None else context
         backend = auto_backend_name(x.device) if self.backend == "auto" else self.backend
+        check_head_dim(backend, self.head_dim)  # the fused path reaches the kernels without jagged_attention's checks
         if self._fuses_producers(x, backend):
             out = self._attend_from_fused_producers(x, offsets, source, offsets_kv, backend)
         else:

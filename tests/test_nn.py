@@ -477,3 +477,13 @@ def test_gpu_layer_step_waits_for_the_device_once(fused, checks, waits):
 
     copies = device_to_host_copies(step, value_checks=checks)
     assert len(copies) == waits, copies
+
+
+def test_the_layer_refuses_head_dims_its_backend_lacks():
+    """Also on the fused path, which reaches the kernels without ``jagged_attention``'s checks."""
+    layer = JaggedAttention(192, num_heads=2, head_dim=96, backend="triton", fused_producers=False)
+    x = torch.randn(40, 192)
+    with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 96"):
+        layer(x, torch.tensor([0, 15, 40]))
+    assert JaggedAttention(192, num_heads=2, head_dim=96, backend="reference")(x, torch.tensor([0, 15, 40])).shape == (
+        40, 192)
