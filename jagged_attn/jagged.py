@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .offsets import lengths_of, max_length, offsets_from_lengths, validate_offsets
+from .offsets import checked_lengths, lengths_of, max_length, offsets_from_lengths, validate_offsets
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 # fbgemm's and aten's jagged ops reject fp8: such payloads travel bit-exactly as an int32 view.
@@ -47,10 +47,7 @@ class JaggedTensor:
 
     @classmethod
     def from_lengths(cls, values: torch.Tensor, lengths) -> "JaggedTensor":
-        lengths = torch.as_tensor(lengths, device=values.device)
-        if lengths.dim() != 1 or lengths.dtype.is_floating_point or bool((lengths < 0).any()):
-            raise ValueError("lengths must be a 1-D tensor of non-negative integers")
-        return cls(values, offsets_from_lengths(lengths))
+        return cls(values, offsets_from_lengths(checked_lengths(lengths, values.device)))
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -91,10 +88,10 @@ class JaggedTensor:
         """Inverse of :meth:`to_padded`: keep the first ``lengths[b]`` rows of ``dense[b]``."""
         if not isinstance(dense, torch.Tensor) or dense.dim() < 2:
             raise ValueError("dense must be a tensor [B, max_length, *features]")
-        lengths = torch.as_tensor(lengths, device=dense.device)
+        lengths = checked_lengths(lengths, dense.device)
         if lengths.shape != (dense.shape[0],):
             raise ValueError(f"lengths must have shape ({dense.shape[0]},), got {tuple(lengths.shape)}")
-        if bool((lengths < 0).any()) or bool((lengths > dense.shape[1]).any()):
+        if bool((lengths > dense.shape[1]).any()):
             raise ValueError(f"lengths must lie in [0, {dense.shape[1]}]")
         offsets = offsets_from_lengths(lengths)
         feature_shape = tuple(dense.shape[2:])

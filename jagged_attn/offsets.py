@@ -142,6 +142,16 @@ def max_length(offsets: torch.Tensor) -> int:
     return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
 
 
+def checked_lengths(lengths, device=None) -> torch.Tensor:
+    """``lengths`` (a sequence or tensor of per-sequence lengths) as a 1-D integer tensor; ValueError for
+    other shapes, fractional or boolean values (never truncated) and negative lengths."""
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+            or lengths.dtype == torch.bool or bool((lengths < 0).any()):
+        raise ValueError("lengths must be a 1-D tensor of non-negative integers")
+    return lengths
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """int64 offsets ``[0, cumsum(lengths)]``."""
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)

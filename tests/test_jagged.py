@@ -76,6 +76,14 @@ def test_bad_input():
         JaggedTensor.from_padded(torch.randn(2, 3, 4), [1, 4])
     with pytest.raises(ValueError, match="lengths must have shape"):
         JaggedTensor.from_padded(torch.randn(2, 3, 4), [1, 2, 3])
+    # Fractional or boolean lengths are refused, never truncated (from_padded took 2.7 as 2).
+    for bad in ([2.7, 1.0], [True, False]):
+        with pytest.raises(ValueError, match="non-negative integers"):
+            JaggedTensor.from_padded(torch.randn(2, 3, 4), bad)
+        with pytest.raises(ValueError, match="non-negative integers"):
+            JaggedTensor.from_lengths(torch.randn(3, 4), bad)
+    with pytest.raises(ValueError, match="non-negative integers"):
+        JaggedTensor.from_padded(torch.randn(2, 3, 4), [1, -1])
 
 
 def test_fbgemm_pipeline_dense_to_jagged_quantize_attention_back_to_padded():
