@@ -113,6 +113,13 @@ def scale_col_tiles(axis: str, total: int, batch: int, head_dim: int) -> int:
     return num_tiles(scale_matrix_shape(axis, total, batch, head_dim)[1], TILE_COLS)
 
 
+def check_data_shape(shape: tuple, name: str) -> None:
+    """ValueError unless ``shape`` is ``[total, (heads,) D]`` with heads > 0 and D a positive multiple of
+    32. (D = 0 or no heads: a data tensor of no bytes, which could claim any number of tokens.)"""
+    if len(shape) not in (2, 3) or shape[-1] == 0 or shape[-1] % BLOCK_SIZE or (len(shape) == 3 and shape[1] == 0):
+        raise ValueError(f"{name} must be [total, (heads > 0,) D] with D a positive multiple of 32, got {shape}")
+
+
 def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
     """Validate the fields of an MXFP8Jagged (dtypes, shapes, offsets)."""
     if mx.axis not in AXES:
@@ -122,8 +129,7 @@ def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
         raise TypeError(f"{name}.data must be float8_e4m3fn, got {mx.data.dtype}")
     if mx.scales.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"{name}.scales must be float8_e8m0fnu, got {mx.scales.dtype}")
-    if mx.data.dim() not in (2, 3) or mx.data.shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"{name}.data must be [total, (heads,) D] with D a multiple of 32, got {tuple(mx.data.shape)}")
+    check_data_shape(tuple(mx.data.shape), f"{name}.data")
     validate_offsets(mx.offsets, mx.data.shape[0], f"{name}.offsets")
     heads = mx.data.shape[1] if mx.data.dim() == 3 else 1
     rows, cols = scale_matrix_shape(mx.axis, mx.data.shape[0], mx.offsets.numel() - 1, mx.data.shape[-1])

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from .mx_format import ROUNDINGS
-from .mxfp8 import AXES, MXFP8Jagged, scale_matrix_shape
+from .mxfp8 import AXES, MXFP8Jagged, check_data_shape, scale_matrix_shape
 from .scale_layout import TILE_BYTES, TILE_COLS, TILE_ROWS, num_tiles, tiled_bytes
 
 FORMAT_NAME = "jagged_attn.mxfp8"
@@ -372,6 +372,10 @@ def _parse_entries(text, found, path) -> list[Entry]:
                 raise _bad_file(path, f"entry {item!r} has a bad name, axis or rounding")
             if len(shape) not in (2, 3) or not all(isinstance(n, int) and n >= 0 for n in shape):
                 raise _bad_file(path, f"entry {name!r} has a bad shape {list(shape)}")
+            try:  # before anything is allocated for the tokens it claims
+                check_data_shape(shape, f"entry {name!r}: the data")
+            except ValueError as error:
+                raise _bad_file(path, str(error))
             offsets_dtype, offsets_shape = found.get(f"{name}.offsets", (None, ()))
             if offsets_dtype not in _OFFSETS_DTYPES or len(offsets_shape) != 1 or offsets_shape[0] < 1:
                 raise _bad_file(

@@ -290,3 +290,24 @@ def test_writer_hashes_pieces_in_any_order_and_rejects_rewrites(tmp_path):
         writer.write_data(entry.name, mx.data[200:300], 200)
         assert writer.close() == _documented_checksum(tmp_path / "got.safetensors")
     assert (tmp_path / "got.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("shape", [(1 << 27, 0), (1 << 27, 0, 64), (64, 0)])
+def test_a_file_of_no_data_bytes_cannot_claim_tokens(tmp_path, shape):
+    """D = 0 (or no heads): the data tensor holds no bytes whatever the token count it claims. Such a
+    file is refused from its header (loaded by a child process capped at 4 GiB of address space, so
+    that a regression allocating for the claimed tokens cannot take the test run down)."""
+    import subprocess
+    import sys
+
+    total = shape[0]
+    entry = Entry(SINGLE_ENTRY_NAME, "feature", "rceil", shape, torch.int64, 2)
+    path = tmp_path / "empty_claims.safetensors"
+    with MXFP8FileWriter(path, [entry], {entry.name: torch.tensor([0, total])}, "single") as writer:
+        writer.close()
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "from jagged_attn import load\n"
+            "try:\n    load(sys.argv[1])\nexcept ValueError as e:\n    print('REFUSED', e)")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "D a positive multiple of 32" in result.stdout
