@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--heads", type=int, default=None, help="reshape [total, H*D] values to [total, H, D]")
     pre.add_argument("--device", default="cpu", help="where chunks are quantized: cpu, or cuda (fused Triton kernel)")
     pre.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk (default: ~16M values)")
+    pre.add_argument("--force", action="store_true", help="replace an existing output file")
 
     insp = sub.add_parser("inspect", help="summarize a preprocessed MXFP8 file")
     insp.add_argument("file")
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
             from .preprocess import preprocess_file
 
             stats = preprocess_file(args.input, args.output, axis=args.axis, rounding=args.rounding, heads=args.heads,
-                                    device=args.device, chunk_tokens=args.chunk_tokens)
+                                    device=args.device, chunk_tokens=args.chunk_tokens, overwrite=args.force)
             print(f"wrote {stats['output']}: {stats['sequences']} sequences, {stats['tokens']} tokens, "
                   f"{stats['output_bytes'] / 2**20:.1f} MiB ({stats['input_bytes'] / 2**20:.1f} MiB in), "
                   f"{stats['tokens_per_s']:.0f} tokens/s, {stats['checksum']}")
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
             from .preprocess import inspect_file
 
             print(inspect_file(args.file))
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:  # OSError: missing, existing or unwritable files, a full disk
         print(f"jagged-attn {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -235,6 +235,20 @@ class _Progress:
         print(line, end="\n" if final else "", file=sys.stderr, flush=True)
 
 
+def _check_output_path(input_path, output_path, overwrite: bool) -> None:
+    """Refuse an output that is the input (the rename at the end would replace what is being read), a
+    directory, or an existing file without ``overwrite``."""
+    output_path = os.fspath(output_path)
+    if os.path.isdir(output_path):
+        raise IsADirectoryError(f"output {output_path!r} is a directory")
+    if not os.path.exists(output_path):
+        return
+    if os.path.exists(input_path) and os.path.samefile(input_path, output_path):
+        raise ValueError(f"output {output_path!r} is the input file: write to another path")
+    if not overwrite:
+        raise FileExistsError(f"output {output_path!r} exists: pass overwrite=True (--force) to replace it")
+
+
 def preprocess_file(
     input_path,
     output_path,
@@ -246,8 +260,13 @@ def preprocess_file(
     progress: bool = True,
     compile: bool | None = None,
     device: str | torch.device = "cpu",
+    overwrite: bool = False,
 ) -> dict:
     """Quantize the jagged tensor in ``input_path`` to MXFP8 and write it to ``output_path``.
+
+    The file appears whole or not at all (written to a temporary file beside it, renamed into place;
+    an error removes the temporary file). An existing ``output_path`` is replaced only with
+    ``overwrite``, and never when it is the input itself.
 
     Args:
         input_path: safetensors or torch file with ``values`` and ``offsets`` or ``lengths``
@@ -264,6 +283,7 @@ def preprocess_file(
         device: where chunks are quantized: ``"cuda"`` runs the fused Triton quantize kernel
             (``jagged_attn.kernels.quantize``, bit-identical to the CPU path); files are read and
             written on the host either way.
+        overwrite: replace an existing ``output_path`` (``FileExistsError`` otherwise).
 
     Returns:
         Statistics: sequences, tokens, heads, head_dim, axis, rounding, chunks, input/output bytes,
@@ -277,6 +297,9 @@ def preprocess_file(
     check_rounding(rounding)
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    _check_output_path(input_path, output_path, overwrite)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device is available here")
     source = _JaggedSource(input_path, heads)
     offsets, shape = source.offsets.to(torch.int64), source.shape
     total, batch = shape[0], offsets.numel() - 1

@@ -153,7 +153,8 @@ def main() -> None:
     if not args.input:
         make_input(source, args.gib)
     output = os.path.join(workdir, "output.safetensors")
-    preprocess_file(source, output, heads=HEADS, axis="feature", progress=False, device=args.device)  # compile
+    preprocess_file(source, output, heads=HEADS, axis="feature", progress=False, device=args.device,
+                    overwrite=True)  # compile
     reference = copy[torch.get_num_threads()][0]
     header = f"{'axis':9} {'run':>3} {'s':>6} {'GB/s':>6} {'%copy':>6} {'x write':>7} " + " ".join(
         f"{stage:>11}" for stage in STAGES
@@ -166,7 +167,8 @@ def main() -> None:
         for run in range(args.repeats):
             if os.path.exists(output):
                 os.unlink(output)
-            stats = preprocess_file(source, output, heads=HEADS, axis=axis, progress=False, device=args.device)
+            stats = preprocess_file(source, output, heads=HEADS, axis=axis, progress=False, device=args.device,
+                                    overwrite=True)
             rate = stats["input_gb_per_s"]
             stages = " ".join(stage_cell(stats, stage) for stage in STAGES)
             print(f"{axis:9} {run:3d} {stats['seconds']:6.2f} {rate:6.3f} {100 * rate / reference:5.1f}% "

@@ -50,3 +50,41 @@ def test_preprocess_then_inspect_then_load(tmp_path):
     assert torch.equal(loaded["sequence"].data.view(torch.uint8), expected.data.view(torch.uint8))
     (tmp_path / "bad.st").write_bytes((tmp_path / "out.st").read_bytes()[:-7])
     assert main(["inspect", str(tmp_path / "bad.st")]) == 2
+
+
+def _cli(*args):
+    """``jagged-attn`` in a child process: (exit code, stdout, stderr)."""
+    result = subprocess.run([sys.executable, "-m", "jagged_attn.cli", *map(str, args)], capture_output=True,
+                            text=True, timeout=300)
+    return result.returncode, result.stdout, result.stderr
+
+
+def _one_line_error(code, stderr, words):
+    assert code == 2 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert words in stderr, stderr
+
+
+def test_preprocess_never_destroys_data_and_fails_in_one_line(tmp_path):
+    import safetensors.torch
+
+    source = tmp_path / "in.st"
+    safetensors.torch.save_file({"values": torch.randn(40, 64), "lengths": torch.tensor([30, 10])}, source)
+    original = source.read_bytes()
+
+    _one_line_error(*_cli("preprocess", source, source, "--force")[::2], "is the input file")
+    assert source.read_bytes() == original  # the input was not replaced by its own output
+
+    output = tmp_path / "out.st"
+    output.write_bytes(b"precious")
+    _one_line_error(*_cli("preprocess", source, output)[::2], "exists")
+    assert output.read_bytes() == b"precious"
+    assert _cli("preprocess", source, output, "--force")[0] == 0
+    assert output.read_bytes() != b"precious"
+
+    _one_line_error(*_cli("preprocess", source, tmp_path)[::2], "is a directory")
+    _one_line_error(*_cli("preprocess", source, tmp_path / "missing" / "out.st")[::2], "No such file")
+    _one_line_error(*_cli("preprocess", tmp_path / "nothing.st", tmp_path / "new.st")[::2], "no such file")
+    if not torch.cuda.is_available():
+        _one_line_error(*_cli("preprocess", source, tmp_path / "new.st", "--device", "cuda")[::2], "no CUDA device")
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert leftovers == ["in.st", "out.st"], leftovers  # no temporary files, no half-written outputs
