@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import AXES, scale_matrix_shape
-from jagged_attn.offsets import padded_total
+from jagged_attn.mxfp8 import AXES, check_values, scale_matrix_shape
+from jagged_attn.offsets import padded_total, validate_offsets
 from jagged_attn.scale_layout import TILE_ROWS, tiled_bytes
 
 from . import fp8, layout
@@ -355,6 +355,20 @@ def check_axes(axes) -> None:
         raise ValueError(f"axes must be distinct names from {AXES}, got {axes!r}")
 
 
+def check_jagged_input(x, offsets, name: str) -> None:
+    """What the producer kernels need of their input, checked before any launch: bf16/fp16/fp32
+    ``[total, heads, D]`` with D a positive multiple of 32, valid offsets for its rows on its device,
+    and CUDA tensors (or the interpreter). ValueError / TypeError naming ``name`` otherwise."""
+    check_values(x, name, finite=False)
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [total, heads, D], got shape {tuple(x.shape)}")
+    validate_offsets(offsets, x.shape[0], "offsets")
+    if offsets.device != x.device:
+        raise ValueError(f"offsets is on {offsets.device} but {name} is on {x.device}")
+    if not (x.is_cuda or INTERPRETED):
+        raise ValueError(f"{name} is on {x.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
+
+
 def quantize_mxfp8_kernel(
     values: torch.Tensor,
     offsets: torch.Tensor,
@@ -372,6 +386,10 @@ def quantize_mxfp8_kernel(
     (the scales are then meaningless).
     """
     check_axes(axes)
+    check_jagged_input(values, offsets, "values")
+    if nonfinite is not None and not (isinstance(nonfinite, torch.Tensor) and nonfinite.dtype == torch.float32
+                                      and tuple(nonfinite.shape) == (1,) and nonfinite.device == values.device):
+        raise ValueError("nonfinite must be a float32 tensor of shape (1,) on the values' device")
     values, offsets = values.contiguous(), offsets.contiguous()
     outputs = {axis: empty_outputs(values, offsets, axis) for axis in axes}
     quantize_into(values, offsets, outputs, mx_format.check_rounding(rounding), nonfinite)

@@ -177,6 +177,25 @@ def test_no_tokens(lengths):
     check_against_reference(values, offsets, ("feature", "sequence"), "rceil")
 
 
+@pytest.mark.parametrize("change, error, match", [
+    ({"offsets": torch.tensor([0, 3, 2, 6])}, ValueError, "non-decreasing"),
+    ({"offsets": torch.tensor([0, 3, 9])}, ValueError, r"offsets\[-1\]"),
+    ({"offsets": torch.tensor([0, 3, 6], dtype=torch.float32)}, TypeError, "offsets must be int32"),
+    ({"offsets": torch.tensor([0, 3, 6], device="meta")}, ValueError, "offsets"),
+    ({"values": torch.randn(6, 2, 48)}, ValueError, "multiple of 32"),
+    ({"values": torch.randn(6, 2, 32, dtype=torch.float64)}, TypeError, "values must be float32"),
+    ({"values": torch.randn(6, 64)}, ValueError, r"values must be \[total, heads, D\]"),
+    ({"nonfinite": torch.zeros(2)}, ValueError, "nonfinite must be"),
+])
+def test_bad_inputs_raise_before_any_launch(change, error, match):
+    """The README names this kernel: it validates what it is given (it used to read out of bounds on
+    decreasing or out-of-range offsets and fail inside Triton on D = 48, fp64 or 2-D values)."""
+    arguments = {"values": torch.randn(6, 2, 32), "offsets": torch.tensor([0, 3, 6])}
+    arguments.update(change)
+    with pytest.raises(error, match=match):
+        qk.quantize_mxfp8_kernel(**arguments)
+
+
 def test_bad_axes_raise():
     offsets = ragged_offsets([3])
     values = torch.randn(3, 1, 32)

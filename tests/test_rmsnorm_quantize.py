@@ -218,7 +218,7 @@ def test_bad_inputs_raise(change, error, match):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setattr(rq, "INTERPRETED", False)
+    monkeypatch.setattr(rq.quantize, "INTERPRETED", False)  # the producers' one input check
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         rq.rms_norm_quantize(torch.randn(4, 1, 32), torch.ones(32), torch.tensor([0, 4]))
 
