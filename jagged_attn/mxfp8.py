@@ -204,6 +204,9 @@ def checked_after(magnitudes: torch.Tensor | None, names, run):
     return result
 
 
+EAGER_CHUNK_VALUES = 1 << 24  # input values per chunk of the CPU quantizers (float32 temporaries: 64 MiB)
+
+
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(1)
 
@@ -311,14 +314,25 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
+def _chunk_rows(x, align: int = 1) -> int:
+    """Rows of ``x [T, H, D]`` per chunk of the eager quantizers' element work (a multiple of
+    ``align``): their float32 temporaries stay near ``EAGER_CHUNK_VALUES`` values, not the input's size."""
+    per_row = x.shape[1] * x.shape[2]
+    return max(align, EAGER_CHUNK_VALUES // max(1, per_row) // align * align)
+
+
 def _quantize_feature(x, offsets, rounding, compile, nonfinite=None):
     total, heads, dim = x.shape
-    data, byte, amax = (_compiled(_feature_blocks) if compile else _feature_blocks)(x, rounding)
-    _check_or_flag(amax, nonfinite)
+    blocks = _compiled(_feature_blocks) if compile else _feature_blocks
     rows, cols = scale_matrix_shape("feature", total, offsets.numel() - 1, dim)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     matrix = torch.zeros(heads, rows, cols, dtype=torch.uint8, device=x.device)
     token_rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
-    matrix[:, token_rows, :] = byte.to(torch.uint8).permute(1, 0, 2)
+    step = _chunk_rows(x)
+    for start in range(0, total, step):  # blocks lie within a token: any token range is a chunk
+        data[start:start + step], byte, amax = blocks(x[start:start + step], rounding)
+        _check_or_flag(amax, nonfinite)
+        matrix[:, token_rows[start:start + step], :] = byte.to(torch.uint8).permute(1, 0, 2)
     return data, to_tiles(matrix)
 
 
@@ -328,12 +342,25 @@ def sequence_block_columns(offsets: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _quantize_sequence(x, offsets, rounding, compile, nonfinite=None):
-    total, _, dim = x.shape
+    total, heads, dim = x.shape
     _, cols = scale_matrix_shape("sequence", total, offsets.numel() - 1, dim)
+    blocks = _compiled(_sequence_blocks) if compile else _sequence_blocks
     rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
-    data, byte, amax = (_compiled(_sequence_blocks) if compile else _sequence_blocks)(x, rows, cols, rounding)
-    _check_or_flag(amax, nonfinite)
-    return data, to_tiles(byte.to(torch.uint8).permute(1, 2, 0))  # [H, D, cols]: rows are the D channels
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    byte = torch.zeros(cols, heads, dim, dtype=torch.uint8, device=x.device)
+    step = _chunk_rows(x, BLOCK_SIZE)
+    # Chunks of padded rows, whole 32-token blocks each: the tokens placed in one are a token range.
+    for first_row in range(0, cols * BLOCK_SIZE, step):
+        last_row = min(first_row + step, cols * BLOCK_SIZE)
+        first, end = (int(i) for i in torch.searchsorted(rows, torch.tensor([first_row, last_row], device=x.device)))
+        if first == end:
+            continue  # padding only: its scale bytes stay 0
+        column = first_row // BLOCK_SIZE
+        data[first:end], chunk_bytes, amax = blocks(x[first:end], rows[first:end] - first_row,
+                                                    (last_row - first_row) // BLOCK_SIZE, rounding)
+        _check_or_flag(amax, nonfinite)
+        byte[column:column + chunk_bytes.shape[0]] = chunk_bytes.to(torch.uint8)
+    return data, to_tiles(byte.permute(1, 2, 0))  # [H, D, cols]: rows are the D channels
 
 
 def element_scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:

@@ -177,3 +177,23 @@ def test_dual_equals_two_single_axis_calls(device):
             assert mx.axis == axis and mx.rounding == rounding
             assert torch.equal(mx.data.view(torch.uint8), single.data.view(torch.uint8))
             assert torch.equal(mx.scales.view(torch.uint8), single.scales.view(torch.uint8))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.sampled_from([0, 1, 31, 32, 33, 127, 128, 129, 300]), min_size=1, max_size=6),
+       chunk_rows=st.sampled_from([1, 2, 5, 32, 33, 64, 100]),
+       axis=st.sampled_from(["feature", "sequence"]), rounding=st.sampled_from(["rceil", "floor"]))
+def test_chunked_eager_quantizer_is_bit_identical(lengths, chunk_rows, axis, rounding):
+    """The CPU quantizers work in chunks of ``EAGER_CHUNK_VALUES`` input values (whole 32-token blocks of
+    padded rows on the sequence axis), so that memory follows the chunk and not the input: any chunk
+    size gives the bytes of one chunk for the whole tensor."""
+    from jagged_attn import mxfp8
+
+    offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
+    values = torch.randn(int(offsets[-1]), 2, 64, dtype=torch.bfloat16) * torch.rand(int(offsets[-1]), 1, 1) * 50
+    whole = quantize_mxfp8(values, offsets, axis=axis, rounding=rounding)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mxfp8, "EAGER_CHUNK_VALUES", chunk_rows * 2 * 64)
+        chunked = quantize_mxfp8(values, offsets, axis=axis, rounding=rounding)
+    assert torch.equal(chunked.data.view(torch.uint8), whole.data.view(torch.uint8))
+    assert torch.equal(chunked.scales.view(torch.uint8), whole.scales.view(torch.uint8))
