@@ -348,11 +348,16 @@ def _quantize_sequence(x, offsets, rounding, compile, nonfinite=None):
     rows = padded_rows_of_tokens(offsets, sequence_ids(offsets, total))
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     byte = torch.zeros(cols, heads, dim, dtype=torch.uint8, device=x.device)
-    step = _chunk_rows(x, BLOCK_SIZE)
-    # Chunks of padded rows, whole 32-token blocks each: the tokens placed in one are a token range.
-    for first_row in range(0, cols * BLOCK_SIZE, step):
-        last_row = min(first_row + step, cols * BLOCK_SIZE)
-        first, end = (int(i) for i in torch.searchsorted(rows, torch.tensor([first_row, last_row], device=x.device)))
+    # Chunks of padded rows, whole 32-token blocks each: the tokens placed in one are a token range,
+    # looked up once for all chunks. One chunk needs no lookup (and traced values cannot be read).
+    padded_rows, step = cols * BLOCK_SIZE, _chunk_rows(x, BLOCK_SIZE)
+    starts = list(range(0, padded_rows, step))
+    if len(starts) == 1 or values_unavailable(x):
+        starts, tokens = [0], [0, total]
+    else:
+        tokens = torch.searchsorted(rows, torch.tensor([*starts, padded_rows], device=x.device)).tolist()
+    for i, (first_row, last_row) in enumerate(zip(starts, [*starts[1:], padded_rows])):
+        first, end = tokens[i], tokens[i + 1]
         if first == end:
             continue  # padding only: its scale bytes stay 0
         column = first_row // BLOCK_SIZE

@@ -197,3 +197,15 @@ def test_chunked_eager_quantizer_is_bit_identical(lengths, chunk_rows, axis, rou
         chunked = quantize_mxfp8(values, offsets, axis=axis, rounding=rounding)
     assert torch.equal(chunked.data.view(torch.uint8), whole.data.view(torch.uint8))
     assert torch.equal(chunked.scales.view(torch.uint8), whole.scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("axis", ["feature", "sequence"])
+def test_traced_values_quantize_without_reading_them(axis):
+    """Meta tensors stand in for what ``torch.compile`` traces: quantize_mxfp8 must not read values
+    or offsets then (the chunked sequence quantizer once looked its chunks' token ranges up)."""
+    import jagged_attn
+
+    x, offsets = torch.randn(100, 2, 64, device="meta"), torch.tensor([0, 40, 100], device="meta")
+    with jagged_attn.value_checks(False):
+        mx = quantize_mxfp8(x, offsets, axis=axis)
+    assert mx.data.shape == x.shape and mx.data.dtype == torch.float8_e4m3fn
