@@ -62,7 +62,6 @@ class JaggedAttention(nn.Module):
             raise ValueError("pass context and offsets_kv together (cross-attention) or neither")
         source = x if context is None else context
         backend = auto_backend_name(x.device) if self.backend == "auto" else self.backend
-        check_head_dim(backend, self.head_dim)  # the fused path reaches the kernels without jagged_attention's checks
         if self._fuses_producers(x, backend):
             out = self._attend_from_fused_producers(x, offsets, source, offsets_kv, backend)
         else:
@@ -79,6 +78,7 @@ class JaggedAttention(nn.Module):
                                 backend=self.backend)
 
     def _attend_from_fused_producers(self, x, offsets, source, offsets_kv, backend):
+        check_head_dim(backend, self.head_dim)  # this path reaches the kernels without jagged_attention's checks
         offsets_kv = offsets if offsets_kv is None else offsets_kv
         # The offsets before the producers use them (a wait only the first time a tensor is seen); after
         # them the producers' NaN/Inf flags of q and k, which the attention op reads with V's (from its

@@ -487,3 +487,6 @@ def test_the_layer_refuses_head_dims_its_backend_lacks():
         layer(x, torch.tensor([0, 15, 40]))
     assert JaggedAttention(192, num_heads=2, head_dim=96, backend="reference")(x, torch.tensor([0, 15, 40])).shape == (
         40, 192)
+    fused = JaggedAttention(64, num_heads=2, head_dim=32, backend="triton", fused_producers=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 32"):
+        fused(torch.randn(40, 64, dtype=torch.bfloat16), torch.tensor([0, 15, 40]))
