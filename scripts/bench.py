@@ -137,7 +137,7 @@ WORKLOAD_SETS = {
     ],
 }
 # The (name, lengths, heads, causal, dense) tuples, each a Workload's first five arguments, that
-# scripts/bench_bwd_kernel.py and bench_fwd_kernel.py run: the design set, as before the fa4 set.
+# scripts/bench_bwd_kernel.py runs: the design set, as before the fa4 set.
 WORKLOADS = [spec[:5] for spec in WORKLOAD_SETS["design"]]
 
 
@@ -195,6 +195,11 @@ class Workload:
         self.dout = torch.randn_like(self.q)
         self.scale = dim**-0.5
         self.flops = 4.0 * visible_pairs(self.len_q, self.len_k, causal) * dim * heads
+
+    @classmethod
+    def of(cls, spec: Spec, dim: int) -> Workload:
+        """The workload of ``spec`` at head_dim ``dim``."""
+        return cls(*spec[:5], dim, heads_kv=spec.heads_kv)
 
     def tflops(self, column, ms):
         return self.flops * FLOP_FACTORS.get(column.split()[-1], 1.0) / (ms * 1e-3) / 1e12
@@ -255,32 +260,48 @@ def jagged_peer(backend: str):
     return peer
 
 
+def quantized_inputs(w: Workload):
+    """(q, k, v) of ``w`` in MXFP8: q, k on the feature axis, v on the sequence axis."""
+    from jagged_attn import quantize_mxfp8
+
+    return (quantize_mxfp8(w.q, w.offsets_q), quantize_mxfp8(w.k, w.offsets_k),
+            quantize_mxfp8(w.v, w.offsets_k, axis="sequence"))
+
+
+def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
+    """(the Gluon forward kernel as a call on Q, K, V rebased beforehand, the Q rebase, the K and V
+    rebase) for ``hopper_fwd_ws.tile_config``-style ``config``; the call returns (out, lse)."""
+    from jagged_attn.kernels import hopper_fwd_ws, layout, rebase
+
+    exact = config["SCORES"] == "bf16"
+    rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
+    rebase_kv = functools.partial(rebase.rebase_kv, mk, mv, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER)
+    rebased = (*rebase_q(), *rebase_kv())
+
+    def kernel():
+        return hopper_fwd_ws._forward(*rebased, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
+                                      out_dtype=torch.bfloat16, config=config)
+
+    return kernel, rebase_q, rebase_kv
+
+
 def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
     """Forward ms from MXFP8 inputs quantized once beforehand (``hopper_fwd.attention_forward``; "ours
     mxfp8": exact S as backend ``triton``, "fast mxfp8": FP8 S as ``triton-fast``). With ``kernel`` also
     the Gluon kernel alone ("ours kernel", "fast kernel") on Q, K, V rebased beforehand, and the rebase
     passes' ms; ``sweep_configs``: tile configurations of the Triton kernel (the one the CPU interpreter
     runs)."""
-    from jagged_attn import quantize_mxfp8
-    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
+    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, rebase
 
-    mq = quantize_mxfp8(w.q, w.offsets_q)
-    mk = quantize_mxfp8(w.k, w.offsets_k)
-    mv = quantize_mxfp8(w.v, w.offsets_k, axis="sequence")
+    mq, mk, mv = quantized_inputs(w)
     forward = dict(causal=w.causal, softmax_scale=w.scale)
     results = {}
     for name, scores in (("ours", "bf16"), ("fast", "fp8")):
         results[f"{name} mxfp8"] = median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, scores=scores, **forward))
         if not kernel:
             continue
-        exact = scores == "bf16"
-        config = hopper_fwd_ws.tile_config(w.dim, scores)
-        rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
-        rebase_kv = functools.partial(rebase.rebase_kv, mk, mv, config["BLOCK_N"], exact=exact,
-                                      v_order=layout.PV_ORDER)
-        rebased = (*rebase_q(), *rebase_kv())
-        results[f"{name} kernel"] = median_ms(lambda: hopper_fwd_ws._forward(
-            *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=config, **forward))
+        alone, rebase_q, rebase_kv = forward_kernel_alone(w, mq, mk, mv, hopper_fwd_ws.tile_config(w.dim, scores))
+        results[f"{name} kernel"] = median_ms(alone)
         results[f"{name} rebase ms: q"] = median_ms(rebase_q)
         results[f"{name} rebase ms: k, v"] = median_ms(rebase_kv)
     for c in sweep_configs:
@@ -323,12 +344,16 @@ def fa4_peer(w: Workload):
         return None
 
     def forward(q, k, v):
-        out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=w.offsets_q, cu_seqlens_k=w.offsets_k,
-                                         max_seqlen_q=w.max_q, max_seqlen_k=w.max_k, softmax_scale=w.scale,
-                                         causal=w.causal)
-        return out[0] if isinstance(out, tuple) else out
+        return fa4_attention(fa4, q, k, v, w.offsets_q, w.offsets_k, w.max_q, w.max_k, w.causal, w.scale)
 
     return forward, (w.q, w.k, w.v), w.dout
+
+
+def fa4_attention(fa4, q, k, v, offsets_q, offsets_k, max_q, max_k, causal, scale=None):
+    """``fa4.flash_attn_varlen_func``'s output (it returns out, or (out, lse)); int32 offsets."""
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=offsets_q, cu_seqlens_k=offsets_k, max_seqlen_q=max_q,
+                                     max_seqlen_k=max_k, softmax_scale=scale, causal=causal)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def varlen_causal_kwargs(causal: bool) -> dict:
@@ -571,7 +596,7 @@ def parse_args(argv=None):
 
 def bench_row(spec: Spec, dim: int, args):
     """The row of ``spec`` at head_dim ``dim``: every column's ms and TFLOP/s."""
-    w = Workload(*spec[:5], dim, heads_kv=spec.heads_kv)
+    w = Workload.of(spec, dim)
     sweep = SWEEP if args.sweep and spec is args.specs[0] else ()
     measured = {}
     for name, peer in PEERS:

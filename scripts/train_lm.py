@@ -94,18 +94,12 @@ def attention_function(name: str):
 
         return attend
     if name == "fa4":
-        from bench import fa4_import
+        from bench import fa4_attention, fa4_import
 
         fa4, why = fa4_import()
         if fa4 is None:
             raise SystemExit(f"--attn fa4: FlashAttention-4 does not import here ({why})")
-
-        def attend(q, k, v, offsets, max_len):
-            out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=max_len,
-                                             max_seqlen_k=max_len, causal=True)
-            return out[0] if isinstance(out, tuple) else out
-
-        return attend
+        return lambda q, k, v, offsets, max_len: fa4_attention(fa4, q, k, v, offsets, offsets, max_len, max_len, True)
     raise SystemExit(f"--attn must be one of {(*BACKENDS, *BF16_PEERS)}, got {name!r}")
 
 
