@@ -398,7 +398,7 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="fp8"):
 
 
 # Hopper's FP8 wgmma truncates its sums against the accumulator's magnitude. Each tile's P·V goes
-# into a fresh accumulator (hopper_fwd_ws._issue_pv): accumulated into the running O instead, a V far
+# into a fresh accumulator (hopper_fwd_ws._consume): accumulated into the running O instead, a V far
 # from zero mean lost a quarter of O over 16k keys (docs/perf-history.md v21). Within a tile's four
 # k32 steps the truncation is still there: on such a V the error against fp64 is ~1.26x the reference
 # backend's (measured 2026-12-02), where the accuracy policy asks for at most 1.05x.
@@ -418,10 +418,8 @@ def test_gpu_long_sequence_error_against_fp64_is_the_reference_backends(poisoned
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     scale = dim**-0.5
     out, _, ref_out, _ = forward_and_reference(mq, mk, mv, False, scale, scores)
-    truth = torch.empty(length, heads, dim, dtype=torch.float64, device=DEVICE)
-    for start in range(0, length, 2048):  # fp64 attention, 2048 queries at a time
-        s = torch.einsum("qhd,khd->hqk", q[start:start + 2048].double(), k.double()) * scale
-        truth[start:start + 2048] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.double())
+    truth, _ = reference.reference_forward(q.double(), k.double(), v.double(), offsets_q, offsets_k, causal=False,
+                                           softmax_scale=scale, compute_dtype=torch.float64, fp8=False)
     ours, theirs = relative_l2(out, truth), relative_l2(ref_out, truth)
     print(f"[{scores}] V mean {v_mean}: O rel-L2 vs fp64 {ours:.4e}, reference backend {theirs:.4e}")
     assert ours <= POLICY_O_RATIO * theirs
