@@ -62,7 +62,8 @@ def main(argv=None) -> int:
 
             print(inspect_file(args.file))
     except (ValueError, TypeError, OSError) as e:  # OSError: missing, existing or unwritable files, a full disk
-        print(f"jagged-attn {args.command}: error: {e}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # torch's span lines
+        print(f"jagged-attn {args.command}: error: {message}", file=sys.stderr)
         return 2
     return 0
 

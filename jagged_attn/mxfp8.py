@@ -426,8 +426,10 @@ def element_scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
 def dequantize_mxfp8(mx: MXFP8Jagged) -> torch.Tensor:
     """float32 values shaped like ``mx.data``: every element times its block's scale. Values beyond
     float32's range (2^128: rceil rounds bf16/fp32 values from 248 * 2^120 ~ 3.3e38 up to it) are
-    saturated to +-3.4028e38; NaN bytes give NaN."""
+    saturated to +-3.4028e38; NaN bytes give NaN. ``mx.offsets`` written in place since it was checked
+    are checked again (ValueError)."""
     if not isinstance(mx, MXFP8Jagged):
         raise TypeError(f"mx must be an MXFP8Jagged, got {type(mx).__name__}")
+    validate_offsets(mx.offsets, mx.total, "mx.offsets")
     values = _as_3d(mx.data).to(torch.float32) * mx_format.descale_factors(element_scale_bytes(mx))
     return mx_format.saturating_cast(values, torch.float32).reshape(mx.data.shape)

@@ -404,6 +404,12 @@ def inspect_file(path) -> str:
 def _describe_entry(contents, entry) -> list[str]:
     offsets = contents.read_tensor(f"{entry.name}.offsets").to(torch.int64)
     scale_bytes = contents.read_tensor(f"{entry.name}.scales").reshape(-1)
+    title = (f"entry {entry.name!r}: axis {entry.axis}, rounding {entry.rounding}, data {list(entry.shape)} "
+             f"float8_e4m3fn, scales {entry.heads} x {scale_bytes.numel() // entry.heads:,} bytes float8_e8m0fnu")
+    try:  # the statistics below read the offsets as lengths
+        validate_offsets(offsets, entry.shape[0], "offsets")
+    except ValueError as error:
+        return [title, f"  {error}: the file is corrupted"]
     lengths = lengths_of(offsets)
     total, dim = entry.shape[0], entry.shape[-1]
     values = total * entry.heads * dim
@@ -421,8 +427,7 @@ def _describe_entry(contents, entry) -> list[str]:
     if lengths.numel():
         sequences += f"  length min/mean/max: {int(lengths.min())}/{total / lengths.numel():.1f}/{int(lengths.max())}"
     return [
-        f"entry {entry.name!r}: axis {entry.axis}, rounding {entry.rounding}, data {list(entry.shape)} float8_e4m3fn, "
-        f"scales {entry.heads} x {scale_bytes.numel() // entry.heads:,} bytes float8_e8m0fnu",
+        title,
         f"  {sequences}",
         f"  length histogram: {_length_histogram(lengths)}",
         f"  bytes: {stored_bytes:,} = {values:,} data + {scale_bytes.numel():,} scales + {offsets_bytes:,} offsets"

@@ -88,3 +88,14 @@ def test_preprocess_never_destroys_data_and_fails_in_one_line(tmp_path):
         _one_line_error(*_cli("preprocess", source, tmp_path / "new.st", "--device", "cuda")[::2], "no CUDA device")
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     assert leftovers == ["in.st", "out.st"], leftovers  # no temporary files, no half-written outputs
+
+
+def test_errors_spanning_lines_print_one(tmp_path, capsys):
+    """torch.load's refusals span lines (found by tests/test_reliability.py's preprocess fuzzer)."""
+    import datetime
+
+    torch.save({"values": torch.randn(4, 32), "lengths": torch.tensor([4]), "when": datetime.date(2026, 1, 1)},
+               tmp_path / "in.pt")
+    assert main(["preprocess", str(tmp_path / "in.pt"), str(tmp_path / "out.st")]) == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1 and "cannot read it as a safetensors or torch file" in stderr

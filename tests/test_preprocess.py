@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from jagged_attn.mxfp8 import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.preprocess import PADDED_ROWS_PER_TOKEN, inspect_file, preprocess_file, sequence_chunks
-from jagged_attn.serialization import MXFP8FileWriter, load, save
+from jagged_attn.serialization import Entry, MXFP8FileWriter, load, save
 
 EDGE_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 0, 300, 5]
 
@@ -202,6 +202,19 @@ def test_inspect_reports_the_numbers(tmp_path):
     data[-1] ^= 0x40
     (tmp_path / "out").write_bytes(bytes(data))
     assert "MISMATCH" in inspect_file(tmp_path / "out")
+
+
+@pytest.mark.parametrize("last", [1 << 62, 1, -1])
+def test_inspect_reports_offsets_that_do_not_fit(tmp_path, last):
+    """Offsets that do not fit the data (damaged, or written so, with a valid checksum) are reported;
+    the statistics read them as lengths and raised OverflowError (found by tests/test_reliability.py)."""
+    mx = quantize_mxfp8(torch.zeros(0, 2, 64), torch.tensor([0, 0]), axis="sequence")
+    entry = Entry.of("mx", mx)
+    with MXFP8FileWriter(tmp_path / "out", [entry], {"mx": torch.tensor([0, last])}, "single") as writer:
+        writer.write_scale_tiles("mx", mx.scales.view(torch.uint8).view(entry.scale_tiles_shape()), 0)
+        writer.close()
+    report = inspect_file(tmp_path / "out").splitlines()
+    assert report[-1].startswith("  offsets") and report[-1].endswith(": the file is corrupted"), report
 
 
 @pytest.mark.parametrize("axis", ["feature", "sequence"])
