@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .offsets import checked_lengths, lengths_of, max_length, offsets_from_lengths, validate_offsets
+from .offsets import bounded_offsets, checked_lengths, lengths_of, max_length, offsets_from_lengths, validate_offsets
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 # fbgemm's and aten's jagged ops reject fp8: such payloads travel bit-exactly as an int32 view.
@@ -80,7 +80,7 @@ class JaggedTensor:
             raise ValueError("padding_value must be 0 for fp8 values")
         flat, _ = _carrier_view(self.values)
         op = _fbgemm_op("jagged_to_padded_dense") if use_fbgemm else torch.ops.aten._jagged_to_padded_dense_forward
-        dense = op(flat, [self.offsets], [max_length], padding_value)
+        dense = op(flat, [bounded_offsets(self.offsets, flat.shape[0])], [max_length], padding_value)
         return _from_carrier(dense, self.values.dtype, self.feature_shape)
 
     @classmethod

@@ -159,9 +159,21 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def bounded_offsets(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 ``offsets`` forced into the convention for ``rows`` rows (clamped to [0, rows], made
+    non-decreasing, the last set to ``rows``), formed without waiting for the device: the offsets
+    themselves when valid. The index math below runs on it, so that offsets changed after their
+    validation where torch cannot see it (a numpy array under ``torch.from_numpy``, ``.data``) give
+    wrong rows at worst, never an index outside the tensors (``repeat_interleave`` trusts its
+    ``output_size``: lengths summing to more corrupted the heap)."""
+    index = torch.arange(offsets.numel(), device=offsets.device)
+    bounded = torch.where(index == 0, 0, offsets.to(torch.int64).clamp(0, rows)).cummax(0).values
+    return torch.where(index == offsets.numel() - 1, rows, bounded)
+
+
 def sequence_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``[total]``: which sequence each row belongs to."""
-    lengths = lengths_of(offsets).to(torch.int64)
+    lengths = lengths_of(bounded_offsets(offsets, total))
     batch = torch.arange(lengths.numel(), device=offsets.device)
     return torch.repeat_interleave(batch, lengths, output_size=total)
 
@@ -169,10 +181,11 @@ def sequence_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
 def positions_in_sequence(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
     """int64 ``[total]``: each row's index inside its own sequence."""
     rows = torch.arange(seq_ids.numel(), device=offsets.device)
-    return rows - offsets.to(torch.int64)[seq_ids]
+    return rows - bounded_offsets(offsets, seq_ids.numel())[seq_ids]
 
 
 def padded_rows_of_tokens(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
     """int64 ``[total]``: each row's row in a padded (scale) buffer."""
-    starts = padded_seq_start(offsets.to(torch.int64)[:-1], torch.arange(offsets.numel() - 1, device=offsets.device))
+    offsets = bounded_offsets(offsets, seq_ids.numel())
+    starts = padded_seq_start(offsets[:-1], torch.arange(offsets.numel() - 1, device=offsets.device))
     return starts[seq_ids] + positions_in_sequence(offsets, seq_ids)

@@ -16,6 +16,7 @@ import torch
 
 from . import mx_format
 from .mxfp8 import quantize_mxfp8
+from .offsets import bounded_offsets
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -29,8 +30,10 @@ def visible_mask(len_q: int, len_k: int, causal: bool, device) -> torch.Tensor:
     return j <= i + (len_k - len_q)
 
 
-def _spans(offsets_q, offsets_k):
-    oq, ok = offsets_q.tolist(), offsets_k.tolist()
+def _spans(offsets_q, rows_q, offsets_k, rows_k):
+    """(query rows, key rows) of each sequence, as slices; the offsets bounded by the rows first
+    (``bounded_offsets``), so that offsets changed since their validation index inside the tensors."""
+    oq, ok = bounded_offsets(offsets_q, rows_q).tolist(), bounded_offsets(offsets_k, rows_k).tolist()
     for b in range(len(oq) - 1):
         yield slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
 
@@ -73,7 +76,7 @@ def reference_forward(
     heads_q = q.shape[1]
     out = q.new_zeros(q.shape, dtype=compute_dtype)
     lse = q.new_full(q.shape[:2], -math.inf, dtype=compute_dtype)
-    for sq, sk in _spans(offsets_q, offsets_k):
+    for sq, sk in _spans(offsets_q, q.shape[0], offsets_k, k.shape[0]):
         qb = q[sq].to(compute_dtype)
         kb = _expand_kv(k[sk], heads_q).to(compute_dtype)
         vb = _expand_kv(v[sk], heads_q).to(compute_dtype)
@@ -123,7 +126,7 @@ def reference_backward(
     dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=compute_dtype, device=q.device)
     c = lambda x: x.to(compute_dtype)  # noqa: E731
-    for sq, sk in _spans(offsets_q, offsets_k):
+    for sq, sk in _spans(offsets_q, q.shape[0], offsets_k, k.shape[0]):
         len_q, len_k = sq.stop - sq.start, sk.stop - sk.start
         if len_q == 0 or len_k == 0:
             continue

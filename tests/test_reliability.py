@@ -147,6 +147,43 @@ def test_dequantize_checks_offsets_written_in_place_again():
     """)
 
 
+def test_offsets_rewritten_behind_torchs_back_cannot_corrupt_memory():
+    """Offsets checked, then rewritten where torch's version counter does not see it (a numpy array
+    under ``torch.from_numpy``): nothing checks them again (README), but the torch paths bound every
+    index by the tensors' sizes (``offsets.bounded_offsets``): quantize_mxfp8 and dequantize on the
+    CPU, the reference backend's forward and backward, JaggedTensor.to_padded run on the offsets
+    forced into the convention, never outside the tensors (the first two aborted the process: "double
+    free or corruption"; the reference backward allocated for the claimed lengths; to_padded read past
+    the values). The GPU kernels' case is open (issue #27 item 1)."""
+    assert run_child("""
+        import numpy as np, torch, jagged_attn as ja
+        good = np.array([0, 3, 43, 48])
+        held = good.copy()
+        offsets = torch.from_numpy(held)
+        q, k, v = (torch.randn(48, 2, 64) for _ in range(3))
+        leaf = q.clone().requires_grad_(True)
+        mx = [ja.quantize_mxfp8(x, offsets, axis=axis) for x, axis in ((q, "feature"), (k, "feature"), (v, "sequence"))]
+        jagged = ja.JaggedTensor(v, offsets)
+        calls = [lambda: [m.dequantize() for m in mx], lambda: ja.jagged_attention(*mx),
+                 lambda: ja.jagged_attention(leaf, k, v, offsets, causal=True).sum().backward(),
+                 lambda: [ja.quantize_mxfp8(v, offsets, axis=axis) for axis in ("feature", "sequence")],
+                 lambda: jagged.to_padded(max_length=64)]
+        for call in calls:
+            call()  # checked here; from now on the offsets are known valid
+        for bad in ([0, 60, 2, 48], [0, -100, 10**9, 48], [5, 3, 2, 1], [0, 48, 48, 48], [0, 1, 2, 10**12],
+                    [-(10**12), 0, 0, 48]):
+            held[:] = bad
+            for call in calls:
+                call()
+            forced = np.maximum.accumulate(np.clip(bad, 0, 48) * (np.arange(4) > 0))
+            forced[-1] = 48
+            assert torch.equal(jagged.to_padded(max_length=64),
+                               ja.JaggedTensor(v, torch.from_numpy(forced)).to_padded(max_length=64))
+            held[:] = good
+        print("no corruption")
+    """).endswith("no corruption\n")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_outputs_saturate_instead_of_overflowing(dtype, causal):
