@@ -109,7 +109,7 @@ def test_mxfp8_made_from_raw_tensors_refuses_nan_bytes(axis, field, byte):
 def test_only_mxfp8_made_from_raw_tensors_is_scanned_for_nan(monkeypatch, tmp_path):
     """The scan is a pass over data and scales and a wait for the device: paid once where a caller
     makes an MXFP8Jagged from tensors of its own (or load reads a file), never by this package's
-    quantizers, by .to, or per attention call."""
+    quantizers, by .to, or per attention call (compiled ones included)."""
     scans = []
     scan = mxfp8.nan_byte_flags
     monkeypatch.setattr(mxfp8, "nan_byte_flags", lambda *tensors: scans.append(1) or scan(*tensors))
@@ -119,6 +119,8 @@ def test_only_mxfp8_made_from_raw_tensors_is_scanned_for_nan(monkeypatch, tmp_pa
     ja.quantize_mxfp8_dual(q, offsets)
     q8.to("cpu")
     ja.jagged_attention(q8, k8, v8)
+    torch.ops.jagged_attn.mxfp8_attention(q8.data, q8.scales, k8.data, k8.scales, v8.data, v8.scales, offsets,
+                                          offsets, False, 0.125, "reference", "sequence")  # as compiled graphs call it
     rms_norm_quantize(q, torch.ones(q.shape[-1]), offsets)
     linear_quantize(q.flatten(1).to(torch.bfloat16), torch.eye(128, dtype=torch.bfloat16), offsets, heads=2)
     assert not scans
