@@ -102,11 +102,10 @@ def jagged_attention(
         causal: bottom-right aligned: query i of a sequence sees keys ``j <= i + L_k - L_q``.
             Rows that see no key give 0 (and LSE = -inf).
         softmax_scale: defaults to ``1/sqrt(D)``.
-        backend: ``"auto"`` (Triton on Hopper, exact on Blackwell, reference elsewhere),
-            ``"reference"``, ``"triton"`` (Hopper, S and the backward's dP computed exactly),
-            ``"triton-fast"`` (Hopper, both from FP8 wgmma: ~1.1x faster, further from the
-            reference on inputs with large scores)
-            or ``"exact"``.
+        backend: ``"auto"`` (triton-fast on Hopper, exact on Blackwell, reference elsewhere),
+            ``"reference"``, ``"triton-fast"`` (Hopper, every GEMM in FP8 wgmma),
+            ``"triton"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.9x the speed,
+            closer to the reference backend but not to exact attention) or ``"exact"``.
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
         deterministic: bit-identical gradients run to run (the ``triton`` backward then forms dQ
             in a kernel of its own instead of adding partials in L2: 1.4-1.7x the backward's

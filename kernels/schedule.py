@@ -11,8 +11,10 @@ is known on the host without reading the offsets; a slot finds its sequence by b
 GPU hands programs out in launch order, so the long tiles start first and the short ones fill the
 gaps (longest-processing-time-first); empty slots sit at the end. Either costs one kernel launch
 (plus a sort for the work list): a training step builds six tables, and launching a few dozen small
-torch ops per table left the GPU idle while the host worked (docs/perf-history.md v16). Extra memory: 8
-bytes per slot.
+torch ops per table left the GPU idle while the host worked (docs/perf-history.md v16). Both are kept
+while their offsets tensors live unwritten (``reuse.py``): the layers of a model share one offsets
+tensor per batch, so a step builds each table once. Extra memory: 8 bytes per slot. Callers must not
+write into a returned table.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton.language as tl
 from jagged_attn.offsets import padded_tile
 from jagged_attn.scale_layout import TILE_ROWS
 
-from . import layout
+from . import layout, reuse
 
 EMPTY_SLOT = -1
 _EMPTY = tl.constexpr(EMPTY_SLOT)
@@ -96,7 +98,8 @@ def _slot_table(offsets_rows, offsets_cols, total_rows: int, block: int, causal:
 def tile_list(offsets_rows: torch.Tensor, total_rows: int, block: int) -> torch.Tensor:
     """int32 ``[slots, 2]``: (sequence, tile) of every ``block``-row tile, in sequence order with
     each sequence's spare slot empty: for passes whose tiles all cost the same (no sort)."""
-    return _slot_table(offsets_rows, None, total_rows, block, False, True, with_costs=False)[0]
+    return reuse.derived((offsets_rows,), ("tiles", total_rows, block), lambda: _slot_table(
+        offsets_rows, None, total_rows, block, False, True, with_costs=False)[0])
 
 
 def slot_tiles(offsets_rows: torch.Tensor, total_rows: int) -> torch.Tensor:
@@ -122,6 +125,9 @@ def work_list(
     sequence order. Tiles that see no column still get a slot (their rows must be written); empty
     slots are ``(-1, -1)`` at the end.
     """
-    table, costs = _slot_table(offsets_rows, offsets_cols, total_rows, block, causal, rows_are_queries,
-                               with_costs=True)
-    return table[torch.argsort(costs, descending=True, stable=True)]
+    def build():
+        table, costs = _slot_table(offsets_rows, offsets_cols, total_rows, block, causal, rows_are_queries,
+                                   with_costs=True)
+        return table[torch.argsort(costs, descending=True, stable=True)]
+
+    return reuse.derived((offsets_rows, offsets_cols), ("work", total_rows, block, causal, rows_are_queries), build)

@@ -59,6 +59,8 @@ def make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, *, device="cpu", d
         dout *= torch.exp(torch.randn(total_q, heads_q, 1, device=device))
     elif kind == "peaked":
         q *= 4.0
+    elif kind == "biased_k":  # one large mean key per head: every score of a row shifted alike
+        k += 4.0 * torch.randn(heads_kv, dim, device=device)
     return [t.to(dtype) for t in (q, k, v, dout)] + [offsets_q, offsets_k]
 
 
@@ -547,6 +549,38 @@ def test_gpu_accuracy(kind, causal):
                                  and cosine(g, e) >= cosine(r, e) - COSINE_SLACK):
                 failures.append(f"{name} det={deterministic} {config['kernel']}")
     assert not failures, failures
+
+
+POLICY_GRADIENT_RATIO = 1.10
+# Outlier channels: every MXFP8 backend's dQ is far from fp64 there (error ~1.5-1.6x dQ's norm, cosine
+# 0.16-0.19) and FP8 S and dP put its cosine 3.2e-3 to 4.6e-3 below the reference backend's (H200,
+# 2026-12-02; the error within 1.6%). The policy's 1e-3 holds for every other kind and gradient.
+OUTLIER_COSINE_GAP = 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS + ("biased_k",))
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fp8_scores_gradient_error_against_fp64_is_the_reference_backends(kind, causal):
+    """The accuracy policy for S and dP from FP8 wgmma (the default on Hopper): each gradient's relative
+    L2 error against fp64 gradients of the unquantized inputs at most 1.10x the reference backend's,
+    its cosine against them at most 1e-3 below the reference's (``OUTLIER_COSINE_GAP`` on outlier
+    channels); ragged, cross and GQA in one batch."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(
+        [1000, 0, 517, 2048, 129, 33], [1100, 64, 517, 1500, 1, 33], 8, 2, 128, device="cuda", dtype=torch.bfloat16,
+        kind=kind)
+    scale = 128**-0.5
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+    reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
+    exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
+    got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, kernel="gluon",
+                       exact_scores=False)
+    for name, g, r, e in zip(("dq", "dk", "dv"), got, reference, exact):
+        print(f"[bwd-policy] {kind:8s} causal={causal:d} {name}: rel-L2 vs fp64 {rel_l2(g, e):.4e} "
+              f"(reference {rel_l2(r, e):.4e}); cosine {cosine(g, e):.6f} (reference {cosine(r, e):.6f})")
+        assert torch.isfinite(g).all()
+        assert rel_l2(g, e) <= POLICY_GRADIENT_RATIO * rel_l2(r, e), name
+        assert cosine(g, e) >= cosine(r, e) - (OUTLIER_COSINE_GAP if kind == "outlier" else COSINE_SLACK), name
 
 
 GLUON_CASES = [

@@ -377,7 +377,7 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 @pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
 def test_gpu_large_batches(batch, longest, heads, dim):
     """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
-    and backward through the public API (backend "auto" = triton on Hopper) on the whole batch,
+    and backward through the public API (backend "auto" = triton-fast on Hopper) on the whole batch,
     checked against the reference backend on the first and last 40 sequences (attention is per
     sequence). (Sizes bound the transposed copies, which pad every sequence to 128 tokens.)"""
     lengths = torch.randint(1, longest + 1, (batch,))
