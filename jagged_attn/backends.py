@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -148,15 +149,30 @@ def check_head_dim(name: str, head_dim: int) -> None:
         raise ValueError(f"backend={name!r} supports head_dim in {head_dims}, got {head_dim}")
 
 
+# Run, not traced, under torch.compile: the warning is a side effect dynamo cannot trace.
+@torch.compiler.assume_constant_result
 def auto_backend_name(device: torch.device) -> str:
-    """``triton-fast`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere.
+    """``triton-fast`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere: quietly on
+    CPU, on other CUDA GPUs with a UserWarning (once per process for each sm).
 
     On Hopper, S and dP from FP8 wgmma are as close to exact attention (fp64, unquantized inputs) as
     the reference backend is, on every input kind of the accuracy tests; exact S buys no accuracy there."""
     if device.type != "cuda":
         return "reference"
-    major = torch.cuda.get_device_capability(device)[0]
-    return "triton-fast" if major == 9 else "exact" if major >= 10 else "reference"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "triton-fast"
+    if major >= 10:
+        return "exact"
+    _warn_reference_on_gpu(f"sm_{major}{minor}")
+    return "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_reference_on_gpu(sm: str) -> None:
+    warnings.warn(f"backend='auto' runs the reference backend (MXFP8 attention in plain PyTorch, far slower than "
+                  f"the kernels) on this {sm} GPU: the kernel backends need Hopper (sm_90) or Blackwell (sm_100+). "
+                  "Pass backend='reference' to choose it without this warning.", UserWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,8 +1,11 @@
 """torch.library custom ops (with fake implementations and autograd) behind ``jagged_attention``.
 
 * ``jagged_attn::attention``: high-precision q, k, v -> (out, lse); differentiable in q, k, v
-  (quantization is straight-through), its backward is ``jagged_attn::attention_backward``.
+  (quantization is straight-through), its backward is ``jagged_attn::attention_backward``. Under
+  ``torch.autocast`` (CPU or CUDA) q, k, v are cast to the autocast dtype first, as SDPA's are.
 * ``jagged_attn::mxfp8_attention``: pre-quantized operands (data + tiled scales) -> (out, lse).
+
+All three run with autocast off inside.
 
 The ops take a resolved backend name; validation happens in ``interface.py`` before they run.
 """
@@ -82,7 +85,6 @@ def _backward(ctx, dout, dlse):
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
-
 @torch.library.custom_op("jagged_attn::mxfp8_attention", mutates_args=())
 def mxfp8_attention_op(
     q_data: torch.Tensor, q_scales: torch.Tensor, k_data: torch.Tensor, k_scales: torch.Tensor,
@@ -100,3 +102,37 @@ def _(q_data, q_scales, k_data, k_scales, v_data, v_scales, offsets_q, offsets_k
       v_axis):
     out = torch.empty(q_data.shape, dtype=torch.bfloat16, device=q_data.device)
     return out, q_data.new_empty(q_data.shape[:2], dtype=torch.float32)
+
+
+_LIBRARY = torch.library.Library("jagged_attn", "FRAGMENT")  # holds the autocast kernels below
+
+
+def _register_autocast(device_type: str) -> None:
+    """Under autocast on ``device_type`` the attention casts q, k, v to the autocast dtype of that device
+    type, read at the call (``torch.library.register_autocast`` fixes one dtype at registration), and
+    leaves float64 as torch's autocast does; autograd records the casts, so gradients reach the inputs
+    in their own dtypes. Every op then runs with autocast off: it would move the reference's float32
+    math to the autocast dtype (a backward called inside the autocast region included)."""
+    key = f"Autocast{device_type.upper()}"
+
+    def attention_under_autocast(_keyset, q, k, v, *rest):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (x if x.dtype == torch.float64 else x.to(dtype) for x in (q, k, v))
+        with torch.autocast(device_type, enabled=False):
+            return attention_op(q, k, v, *rest)
+
+    def without_autocast(op):
+        def kernel(_keyset, *args):
+            with torch.autocast(device_type, enabled=False):
+                return op(*args)
+
+        return kernel
+
+    _LIBRARY.impl("attention", attention_under_autocast, key, with_keyset=True)
+    for name, op in (("attention_backward", attention_backward_op), ("mxfp8_attention", mxfp8_attention_op)):
+        _LIBRARY.impl(name, without_autocast(op), key, with_keyset=True)
+
+
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+for _device_type in AUTOCAST_DEVICE_TYPES:
+    _register_autocast(_device_type)

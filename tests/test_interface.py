@@ -50,8 +50,9 @@ def test_mxfp8_inputs_and_other_forms_agree():
     out = ja.jagged_attention(q, k, v, oq, ok)
     assert torch.equal(out_mx, out.to(torch.bfloat16))
     jagged = ja.jagged_attention(ja.JaggedTensor(q, oq), ja.JaggedTensor(k, ok), ja.JaggedTensor(v, ok))
-    fbgemm_pairs = ja.jagged_attention((q, [oq]), (k, [ok]), (v, [ok]))
-    assert torch.equal(jagged, out) and torch.equal(fbgemm_pairs, out)
+    fbgemm_values, [fbgemm_offsets] = ja.jagged_attention((q, [oq]), (k, [ok]), (v, [ok]))
+    assert isinstance(jagged, ja.JaggedTensor) and torch.equal(jagged.values, out) and jagged.offsets is oq
+    assert torch.equal(fbgemm_values, out) and fbgemm_offsets is oq
 
 
 def test_self_attention_defaults_and_scale():
