@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from .devices import on_device_of
+from .mx_format import saturating_cast
 from .mxfp8 import checked_after, largest_magnitudes, quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
@@ -51,7 +52,7 @@ def _reference_forward_mx(q, k, v, causal, softmax_scale, out_dtype):
     out, lse = reference_forward(
         q.dequantize(), k.dequantize(), v.dequantize(), q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale
     )
-    return out.to(out_dtype), lse.to(torch.float32)
+    return saturating_cast(out, out_dtype), lse.to(torch.float32)
 
 
 def _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis="sequence"):

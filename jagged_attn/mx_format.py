@@ -21,6 +21,8 @@ import triton.language as tl  # noqa: F401  (the Triton interpreter needs it bes
 E4M3_MAX = 448.0
 BLOCK_SIZE = 32
 E8M0_BIAS = 127
+E8M0_NAN = 0xFF  # the one E8M0 byte that is no power of two
+E4M3_NAN_BITS = 0x7F  # float8_e4m3fn is NaN where its low 7 bits are all set (0x7F, 0xFF)
 ROUNDINGS = ("rceil", "floor")
 # P = exp(s - rowmax) lies in (0, 1]; it is multiplied by 2^P_STATIC_EXP before the e4m3 cast.
 P_STATIC_EXP = 8
@@ -74,13 +76,21 @@ def scale_factors(byte: torch.Tensor) -> torch.Tensor:
 
 
 def descale_factors(byte: torch.Tensor) -> torch.Tensor:
-    """float32 ``2^(byte - 127)``, the value of an E8M0 scale byte (exact)."""
-    return pow2(byte.to(torch.int64) - E8M0_BIAS).to(torch.float32)
+    """float32 ``2^(byte - 127)``, the value of an E8M0 scale byte (exact); NaN for 0xFF, E8M0's NaN."""
+    factors = pow2(byte.to(torch.int64) - E8M0_BIAS).to(torch.float32)
+    return factors.masked_fill_(byte == E8M0_NAN, float("nan"))
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to the floating ``dtype`` with values beyond its finite range clamped to +-its max
+    (NaN stays NaN), where a plain cast rounds them to +-inf."""
+    bound = torch.finfo(dtype).max
+    return x.clamp(-bound, bound).to(dtype)
 
 
 def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Saturating round-to-nearest-even cast to float8_e4m3fn (clamp first: older torch wraps)."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return saturating_cast(x, torch.float8_e4m3fn)
 
 
 def quantize_with_factors(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,17 @@ from .devices import on_device_of
 from .jagged import split_heads, unpack_jagged
 from .mx_format import BLOCK_SIZE
 from .offsets import (
+    check_offsets_facts,
+    check_offsets_type,
+    known_valid,
+    offsets_facts,
     padded_rows_of_tokens,
     padded_total,
     sequence_ids,
     single_sequence_offsets,
     skip_value_check,
     validate_offsets,
+    value_checks,
     values_unavailable,
 )
 from .scale_layout import TILE_COLS, from_tiles, num_tiles, tiled_bytes, to_tiles
@@ -41,7 +46,9 @@ HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class MXFP8Jagged:
-    """A jagged MXFP8 tensor.
+    """A jagged MXFP8 tensor. Made from raw tensors it checks them (:func:`check_mxfp8`): NaN bytes
+    included, one pass over data and scales and one wait for the device, skipped under
+    ``value_checks(False)``; the quantizers of this package make theirs without that pass.
 
     Attributes:
         data: float8_e4m3fn, ``[total, heads, D]`` or ``[total, D]`` (the input's shape).
@@ -97,9 +104,18 @@ class MXFP8Jagged:
         return dequantize_mxfp8(self)
 
     def to(self, device) -> "MXFP8Jagged":
-        return MXFP8Jagged(
+        return mxfp8_without_value_checks(
             self.data.to(device), self.scales.to(device), self.offsets.to(device), self.axis, self.rounding
         )
+
+
+def mxfp8_without_value_checks(data, scales, offsets, axis: str, rounding: str = "rceil") -> MXFP8Jagged:
+    """An MXFP8Jagged of parts whose values need no reading: offsets already validated, bytes from
+    this package's quantizers (whose inputs are checked for NaN/Inf, or flagged for the caller to
+    check) or from another MXFP8Jagged. Dtypes and shapes are checked; no pass over the data, no
+    wait for the device."""
+    with value_checks(False):
+        return MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
 
 
 def scale_matrix_shape(axis: str, total: int, batch: int, head_dim: int) -> tuple[int, int]:
@@ -122,7 +138,9 @@ def check_data_shape(shape: tuple, name: str) -> None:
 
 
 def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
-    """Validate the fields of an MXFP8Jagged (dtypes, shapes, offsets)."""
+    """Validate the fields of an MXFP8Jagged: dtypes, shapes, devices and, unless ``value_checks(False)``,
+    values: offsets (as :func:`validate_offsets`) and NaN bytes in data (e4m3fn 0x7F / 0xFF) or scales
+    (E8M0 0xFF), all read in one wait for the device. NaN bytes would make attention rows silently 0."""
     if mx.axis not in AXES:
         raise ValueError(f"{name}.axis must be one of {AXES}, got {mx.axis!r}")
     mx_format.check_rounding(mx.rounding)
@@ -131,7 +149,7 @@ def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
     if mx.scales.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"{name}.scales must be float8_e8m0fnu, got {mx.scales.dtype}")
     check_data_shape(tuple(mx.data.shape), f"{name}.data")
-    validate_offsets(mx.offsets, mx.data.shape[0], f"{name}.offsets")
+    check_offsets_type(mx.offsets, f"{name}.offsets")
     heads = mx.data.shape[1] if mx.data.dim() == 3 else 1
     rows, cols = scale_matrix_shape(mx.axis, mx.data.shape[0], mx.offsets.numel() - 1, mx.data.shape[-1])
     expected = (heads, tiled_bytes(rows, cols))
@@ -139,6 +157,31 @@ def check_mxfp8(mx: MXFP8Jagged, name: str = "mx") -> None:
         raise ValueError(f"{name}.scales must have shape {expected}, got {tuple(mx.scales.shape)}")
     if not (mx.data.device == mx.scales.device == mx.offsets.device):
         raise ValueError(f"{name}: data, scales and offsets must be on one device")
+    if skip_value_check(mx.data):
+        return
+    total = mx.data.shape[0]
+    offsets_unknown = not known_valid(mx.offsets, total)
+    facts = torch.cat([nan_byte_flags(mx.data, mx.scales)]
+                      + ([offsets_facts(mx.offsets)] if offsets_unknown else [])).tolist()  # the one wait
+    if offsets_unknown:
+        check_offsets_facts(mx.offsets, total, f"{name}.offsets", facts[2:])
+    if facts[0]:
+        raise ValueError(f"{name}.data holds NaN (float8_e4m3fn bytes 0x7F / 0xFF)")
+    if facts[1]:
+        raise ValueError(f"{name}.scales holds NaN (float8_e8m0fnu byte 0xFF)")
+
+
+def nan_byte_flags(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int64 ``[2]`` on the tensors' device, formed without waiting: whether e4m3fn ``data`` holds a
+    NaN byte (0x7F: the largest int8, 0xFF: the largest uint8) and whether E8M0 ``scales`` holds one
+    (0xFF). Reductions only, no temporaries the size of the data."""
+    flags = [torch.zeros((), dtype=torch.bool, device=data.device)] * 2
+    if data.numel():
+        flags[0] = (data.view(torch.int8).amax() == mx_format.E4M3_NAN_BITS) | (
+            data.view(torch.uint8).amax() == 0x80 | mx_format.E4M3_NAN_BITS)
+    if scales.numel():
+        flags[1] = scales.view(torch.uint8).amax() == mx_format.E8M0_NAN
+    return torch.stack(flags).to(torch.int64)
 
 
 def check_values(values, name: str = "values", *, finite: bool = True) -> None:
@@ -267,7 +310,7 @@ def _quantize_axes(values, offsets, axes, rounding, compile, nonfinite=None, *, 
         quantizers = {"feature": _quantize_feature, "sequence": _quantize_sequence}
         results = [quantizers[axis](x, offsets, rounding, compile, nonfinite) for axis in axes]
     return tuple(
-        MXFP8Jagged(data.reshape(values.shape), scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+        mxfp8_without_value_checks(data.reshape(values.shape), scales, offsets, axis, rounding)
         for axis, (data, scales) in zip(axes, results)
     )
 
@@ -389,8 +432,10 @@ def element_scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
 
 
 def dequantize_mxfp8(mx: MXFP8Jagged) -> torch.Tensor:
-    """float32 values shaped like ``mx.data``: every element times its block's scale."""
+    """float32 values shaped like ``mx.data``: every element times its block's scale. Values beyond
+    float32's range (2^128: rceil rounds bf16/fp32 values from 248 * 2^120 ~ 3.3e38 up to it) are
+    saturated to +-3.4028e38; NaN bytes give NaN."""
     if not isinstance(mx, MXFP8Jagged):
         raise TypeError(f"mx must be an MXFP8Jagged, got {type(mx).__name__}")
     values = _as_3d(mx.data).to(torch.float32) * mx_format.descale_factors(element_scale_bytes(mx))
-    return values.reshape(mx.data.shape)
+    return mx_format.saturating_cast(values, torch.float32).reshape(mx.data.shape)

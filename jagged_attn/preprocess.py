@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from .mx_format import BLOCK_SIZE, check_rounding
 from .mxfp8 import AXES, check_values, quantize_mxfp8
-from .offsets import INDEX_DTYPES, lengths_of, offsets_from_lengths, padded_seq_start, validate_offsets
+from .offsets import INDEX_DTYPES, lengths_of, offsets_from_lengths, padded_seq_start, padded_tile, validate_offsets
 from .scale_layout import TILE_ROWS, num_tiles
 from .serialization import (
     SINGLE_ENTRY_NAME,
@@ -45,6 +45,9 @@ from .serialization import (
 
 # One chunk holds about this many values (its fp32/fp64 working copies are a few hundred MB).
 DEFAULT_CHUNK_VALUES = 1 << 24
+# Scale-placement rows a chunk may hold per token of its budget: a padded row's scale bytes (heads * D / 32)
+# are a 32nd of a token's values, so a chunk's scales stay within one byte per value of a full chunk.
+PADDED_ROWS_PER_TOKEN = BLOCK_SIZE
 COMPILE_MIN_VALUES = 1 << 22  # below this, compiling the quantizer costs more than it saves
 INDEX_KEYS = ("offsets", "lengths")
 CHUNKS_IN_FLIGHT = 2  # quantized chunks waiting for the writer thread, at most
@@ -137,13 +140,20 @@ def _heads_shape(shape, heads, path) -> tuple[int, ...]:
 
 
 def sequence_chunks(offsets: torch.Tensor, chunk_tokens: int):
-    """Yield ``(first, end)`` sequence ranges of about ``chunk_tokens`` tokens (at least one sequence)."""
+    """Yield ``(first, end)`` sequence ranges (at least one sequence each) of at most ``chunk_tokens``
+    tokens and at most ``chunk_tokens * PADDED_ROWS_PER_TOKEN`` rows of the padded scale placement.
+
+    Every sequence, empty ones too, starts a fresh 128-row scale tile, so a chunk's scale buffers
+    grow with its sequences as well as its tokens (200,000 empty sequences made one chunk of
+    783 MiB of scales, 2.6 GB at the peak); bounding both keeps memory to a chunk."""
     batch = offsets.numel() - 1
+    tiles = padded_tile(offsets, torch.arange(batch + 1), TILE_ROWS)  # strictly increasing
+    tile_budget = chunk_tokens * PADDED_ROWS_PER_TOKEN // TILE_ROWS
     first = 0
     while first < batch:
-        limit = offsets[first] + chunk_tokens
-        end = int(torch.searchsorted(offsets, limit, right=True)) - 1
-        end = min(max(end, first + 1), batch)
+        by_tokens = int(torch.searchsorted(offsets, offsets[first] + chunk_tokens, right=True)) - 1
+        by_tiles = int(torch.searchsorted(tiles, tiles[first] + tile_budget, right=True)) - 1
+        end = min(max(min(by_tokens, by_tiles), first + 1), batch)
         yield first, end
         first = end
 

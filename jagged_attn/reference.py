@@ -83,7 +83,8 @@ def reference_forward(
         _, m2, p = _softmax_parts(qb, kb, mask, softmax_scale)
         row_sum = p.sum(-1, keepdim=True)  # [H, Lq, 1], from unquantized P
         p_used = mx_format.quantize_p(p.float()).to(compute_dtype) if fp8 else p
-        o = torch.einsum("hqk,khd->qhd", p_used, vb) / row_sum.permute(1, 0, 2).clamp_min(1e-30)
+        # P normalized before it meets V: sum(P V) of large V overflows where O, an average of V's rows, does not
+        o = torch.einsum("hqk,khd->qhd", p_used / row_sum.clamp_min(1e-30), vb)
         seen = (row_sum > 0).permute(1, 0, 2)
         out[sq] = torch.where(seen, o, torch.zeros_like(o))
         lse_b = (m2 + torch.log2(row_sum)) / LOG2E  # -inf where nothing is visible

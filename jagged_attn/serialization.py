@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from .mx_format import ROUNDINGS
-from .mxfp8 import AXES, MXFP8Jagged, check_data_shape, scale_matrix_shape
+from .mxfp8 import AXES, MXFP8Jagged, check_data_shape, check_mxfp8, mxfp8_without_value_checks, scale_matrix_shape
 from .scale_layout import TILE_BYTES, TILE_COLS, TILE_ROWS, num_tiles, tiled_bytes
 
 FORMAT_NAME = "jagged_attn.mxfp8"
@@ -45,7 +45,6 @@ _OFFSETS_DTYPES = {"I32": torch.int32, "I64": torch.int64}
 _CHECKSUM_PREFIX = "sha256:"
 _HEADER_ALIGNMENT = 8
 _READ_BLOCK_BYTES = 1 << 24
-_NAN_SCALE_BYTE = 0xFF
 
 
 @dataclass(frozen=True)
@@ -330,7 +329,8 @@ def load(path, device="cpu"):
     Returns an ``MXFP8Jagged``, or a dict ``{name: MXFP8Jagged}`` in the saved order for a file
     saved from a dict. Checks the format and version, the checksum, the dtypes and shapes, and that
     offsets fit the data, before returning anything; any failure raises ``ValueError`` saying what
-    is wrong (``FileNotFoundError`` if there is no file). The buffers are stored in the kernel-ready
+    is wrong (``FileNotFoundError`` if there is no file), NaN bytes in data or scales included: a
+    loaded tensor needs no further check. The buffers are stored in the kernel-ready
     tiled layout, so ``device="cuda"`` is one host-to-device copy per buffer.
     """
     contents = read_header(path)
@@ -342,16 +342,11 @@ def load(path, device="cpu"):
     loaded = {}
     for entry in contents.entries:
         tensors = {field: contents.read_tensor(f"{entry.name}.{field}") for field in ("offsets", "data", "scales")}
-        if bool((tensors["scales"] == _NAN_SCALE_BYTE).any()):
-            raise _bad_file(contents.path, f"entry {entry.name!r} has NaN (0xFF) scale bytes")
-        try:
-            mx = MXFP8Jagged(
-                tensors["data"],
-                tensors["scales"].view(torch.float8_e8m0fnu),
-                tensors["offsets"],
-                entry.axis,
-                entry.rounding,
+        try:  # every check of an MXFP8Jagged made from raw tensors, NaN bytes included, once, here
+            mx = mxfp8_without_value_checks(
+                tensors["data"], tensors["scales"], tensors["offsets"], entry.axis, entry.rounding
             )
+            check_mxfp8(mx, entry.name)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{contents.path}: entry {entry.name!r} is inconsistent: {error}") from error
         loaded[entry.name] = mx.to(device)

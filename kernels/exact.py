@@ -210,7 +210,7 @@ def forward_kernel(
     token = q_start + rows
     tl.store(
         out_ptr + (token[:, None] * heads_q + head) * D + channels[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        fp8.saturating_cast(out, out_ptr.dtype.element_ty),
         mask=rows[:, None] < len_q,
     )
     tl.store(lse_ptr + token * heads_q + head, lse, mask=rows < len_q)

@@ -6,6 +6,7 @@ exact integer / fp32 arithmetic; the cast of a representable value is then exact
 (the interpreter may still turn -0.0 into +0.0: compare fp8 results by value, not by byte).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -16,6 +17,9 @@ E4M3_SUBNORMAL_STEPS = 512.0  # 1 / 2^-9, the subnormal quantum
 RNE_SHIFTER = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
 BF16_ROUNDING_BIAS = tl.constexpr(0x7FFF)  # added to the fp32 bits bf16 drops: round to nearest (ties: + lsb)
 BF16_KEPT_BITS = tl.constexpr(-65536)  # 0xFFFF0000 as int32: sign, exponent and the 7 mantissa bits of bf16
+FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max)
+BF16_MAX = tl.constexpr(torch.finfo(torch.bfloat16).max)
+FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 
 @triton.jit
@@ -49,3 +53,18 @@ def rounded_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
         return ((bits + BF16_ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_KEPT_BITS).to(tl.float32, bitcast=True)
     return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def saturating_cast(x, dtype: tl.constexpr):
+    """fp32 ``x`` cast to ``dtype`` (fp16, bf16 or fp32) with values beyond its finite range clamped to
+    +-its max, NaN kept (``mx_format.saturating_cast`` in a kernel). For the attention output O: a
+    convex combination of V's rows never exceeds V's range, but V's MX rounding can (fp16 65504 is
+    stored as 65536), and a plain cast would turn that into inf."""
+    if dtype == tl.float16:
+        bound = FP16_MAX
+    elif dtype == tl.bfloat16:
+        bound = BF16_MAX
+    else:
+        bound = FP32_MAX
+    return tl.where(x > bound, bound, tl.where(x < -bound, -bound, x)).to(dtype)

@@ -218,7 +218,7 @@ def _attention_forward_kernel(
     tokens = q_start + rows
     tl.store(
         out + (tokens * HEADS_Q + head)[:, None] * D + channels[None, :],
-        o.to(out.dtype.element_ty),
+        fp8.saturating_cast(o, out.dtype.element_ty),
         mask=in_seq[:, None],
     )
     log_sum = (row_max - layout.P_STATIC_EXP + tl.log2(tl.where(seen, row_sum, 1.0))) * layout.LN2

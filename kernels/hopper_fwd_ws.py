@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from jagged_attn.mxfp8 import checked_after
 
-from . import layout
+from . import fp8, layout
 from .rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
 from .schedule import work_list
 from .tma import operand_descriptor
@@ -196,7 +196,8 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     v_factor = layout.scale_value(gl.load(v_exponent + (kv_head * batch + seq) * D + channels))
     seen = row_sum > 0.0
     inverse_sum = gl.where(seen, 1.0 / gl.where(seen, row_sum, 1.0), 0.0)
-    o = (acc * gl.convert_layout(inverse_sum, o_rows)[:, None] * v_factor[None, :]).to(out.dtype.element_ty)
+    o = fp8.saturating_cast(acc * gl.convert_layout(inverse_sum, o_rows)[:, None] * v_factor[None, :],
+                            out.dtype.element_ty)
     o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=o_rows)
     if out.dtype.element_ty.primitive_bitwidth == q_smem.dtype.primitive_bitwidth:
         # Through this consumer's Q buffer (free after the last S wgmma; bf16 on the exact path, where O

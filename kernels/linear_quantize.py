@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import MXFP8Jagged, check_finite, scale_matrix_shape
+from jagged_attn.mxfp8 import MXFP8Jagged, check_finite, mxfp8_without_value_checks, scale_matrix_shape
 from jagged_attn.offsets import validate_offsets
 from jagged_attn.scale_layout import TILE_COLS, TILE_ROWS, tiled_bytes
 
@@ -306,7 +306,7 @@ def linear_quantize(
     launch(x, weight, bias, y, data, scales, offsets, flag, dim, rounding, config)
     if nonfinite is None:
         check_finite(flag, "x @ weight.T + bias")
-    mx = MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, "feature", rounding)
+    mx = mxfp8_without_value_checks(data, scales, offsets, "feature", rounding)
     return mx, y
 
 

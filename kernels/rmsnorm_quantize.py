@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import HIGH_PRECISION_DTYPES, MXFP8Jagged, check_finite
+from jagged_attn.mxfp8 import HIGH_PRECISION_DTYPES, MXFP8Jagged, check_finite, mxfp8_without_value_checks
 
 from . import fp8, quantize
 from .quantize import TileConfig, program_tile, store_mxfp8
@@ -170,7 +170,7 @@ def rms_norm_quantize(
     if nonfinite is None:
         check_finite(flag, "normalized x")
     mx = {
-        axis: MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+        axis: mxfp8_without_value_checks(data, scales, offsets, axis, rounding)
         for axis, (data, scales) in outputs.items()
     }
     return mx, normalized, rstd

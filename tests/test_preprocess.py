@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from jagged_attn.mxfp8 import quantize_mxfp8
-from jagged_attn.offsets import offsets_from_lengths
-from jagged_attn.preprocess import inspect_file, preprocess_file, sequence_chunks
+from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
+from jagged_attn.preprocess import PADDED_ROWS_PER_TOKEN, inspect_file, preprocess_file, sequence_chunks
 from jagged_attn.serialization import MXFP8FileWriter, load, save
 
 EDGE_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 0, 300, 5]
@@ -73,14 +73,19 @@ def test_chunked_equals_whole_tensor_random(tmp_path_factory, lengths, chunk_tok
     )
 
 
-def test_chunks_cover_whole_sequences():
-    offsets = offsets_from_lengths(torch.tensor(EDGE_LENGTHS))
-    for chunk_tokens in (1, 50, 200, 10**6):
+@pytest.mark.parametrize("lengths", [EDGE_LENGTHS, [0] * 3000, [1] * 2000 + [0, 300] * 100])
+def test_chunks_cover_whole_sequences(lengths):
+    """Whole sequences, at most ``chunk_tokens`` tokens and ``chunk_tokens * PADDED_ROWS_PER_TOKEN`` rows
+    of the scale placement (every sequence, empty or not, starts a fresh 128-row tile)."""
+    offsets = offsets_from_lengths(torch.tensor(lengths))
+    rows = padded_seq_start(offsets, torch.arange(len(lengths) + 1))
+    for chunk_tokens in (1, 50, 200, 4096, 10**6):
         chunks = list(sequence_chunks(offsets, chunk_tokens))
-        assert chunks[0][0] == 0 and chunks[-1][1] == len(EDGE_LENGTHS)
+        assert chunks[0][0] == 0 and chunks[-1][1] == len(lengths)
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
         for first, end in chunks:
-            assert end - first == 1 or int(offsets[end] - offsets[first]) <= chunk_tokens
+            assert end - first == 1 or (int(offsets[end] - offsets[first]) <= chunk_tokens
+                                        and int(rows[end] - rows[first]) <= chunk_tokens * PADDED_ROWS_PER_TOKEN)
 
 
 def test_two_runs_are_identical_and_load_back(tmp_path):

@@ -161,7 +161,8 @@ def test_fuzz_truncations_are_rejected(tmp_path):
 
 def _write_raw(path, entry, offsets, data, scales):
     """A file with a valid checksum whose contents need not make sense."""
-    with MXFP8FileWriter(path, [entry], {entry.name: offsets}, "single") as writer:
+    structure = "single" if entry.name == SINGLE_ENTRY_NAME else "dict"
+    with MXFP8FileWriter(path, [entry], {entry.name: offsets}, structure) as writer:
         writer.write_data(entry.name, data, 0)
         writer.write_scale_tiles(entry.name, scale_tiles(scales, entry), 0)
         writer.close()
@@ -183,13 +184,16 @@ def test_offsets_that_do_not_match_the_data_are_rejected(tmp_path, damage):
         load(path)
 
 
-def test_nan_scale_bytes_are_rejected(tmp_path):
+@pytest.mark.parametrize("field, byte", [("scales", 0xFF), ("data", 0x7F), ("data", 0xFF)])
+def test_nan_bytes_are_rejected(tmp_path, field, byte):
+    """E8M0 0xFF and e4m3fn 0x7F / 0xFF are NaN: with a valid checksum, load names the entry and tensor."""
     mx = ragged_mx("sequence")
-    scales = mx.scales.view(torch.uint8).clone()
-    scales[0, 0] = 0xFF
+    tensors = {"data": mx.data.view(torch.uint8).clone(), "scales": mx.scales.view(torch.uint8).clone()}
+    flat = tensors[field].view(-1)
+    flat[torch.randint(flat.numel(), ())] = byte
     path = tmp_path / "nan.safetensors"
-    _write_raw(path, Entry.of(SINGLE_ENTRY_NAME, mx), mx.offsets, mx.data, scales)
-    with pytest.raises(ValueError, match="NaN"):
+    _write_raw(path, Entry.of("k", mx), mx.offsets, tensors["data"].view(torch.float8_e4m3fn), tensors["scales"])
+    with pytest.raises(ValueError, match=f"entry 'k'.*k.{field} holds NaN"):
         load(path)
 
 
