@@ -8,8 +8,9 @@ Every backend offers the same three entry points:
   on bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype; with
   ``check_finite`` raises ValueError for NaN/Inf in q, k or v, read once its kernels are queued: the
   Hopper kernels flag NaN/Inf in their own pass over the inputs);
-* ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic)
-  -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
+* ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse=None)
+  -> (dq, dk, dv)`` on the high-precision tensors saved by the forward; ``dlse`` (fp32 ``[total_q, Hq]``,
+  zero where the LSE is -inf) is the gradient of the LSE, None where it has none.
 
 ``reference`` is the spec in plain torch (any device); ``triton`` is the Hopper (sm_90) path,
 with S = QK^T exact in the forward and S and dP = dO V^T exact in the backward (bf16 MMAs on the
@@ -77,9 +78,10 @@ def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, 
     return _with_finite_check(check_finite, q, k, v, forward)
 
 
-def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
+def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic,
+                        dlse=None):
     grads = reference_backward(
-        dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale
+        dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale, dlse=dlse
     )
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
@@ -103,10 +105,11 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
                                             check_finite=check_finite, **options)
 
-    def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
+    def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse=None):
         with on_device_of(q):
             return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                          softmax_scale=softmax_scale, deterministic=deterministic, **options)
+                                          softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse,
+                                          **options)
 
     head_dims = tuple(sorted(set(fwd.HEAD_DIMS) & set(bwd.HEAD_DIMS)))
     return Backend(name, forward_mx, forward_hp, backward, head_dims)

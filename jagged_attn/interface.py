@@ -112,7 +112,8 @@ def jagged_attention(
             ``"reference"``, ``"triton-fast"`` (Hopper, every GEMM in FP8 wgmma),
             ``"triton"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.9x the speed,
             closer to the reference backend but not to exact attention) or ``"exact"``.
-        return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
+        return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``, differentiable like
+            ``out`` (for :func:`jagged_attn.merge_attention`, ring / context-parallel attention).
         deterministic: bit-identical gradients run to run (the ``triton`` backward then forms dQ
             in a kernel of its own instead of adding partials in L2: 1.4-1.7x the backward's
             time on an H200, dense d128).

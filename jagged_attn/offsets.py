@@ -159,6 +159,14 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def offsets_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """int64 offsets of the sequences of a packed row of tokens, from bool ``starts [total]`` (True where a
+    sequence begins; the first token always begins one)."""
+    total = starts.numel()
+    first = torch.arange(total, device=starts.device) == 0
+    return torch.cat([(starts | first).nonzero().flatten(), torch.full((1,), total, device=starts.device)])
+
+
 def sequence_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``[total]``: which sequence each row belongs to."""
     lengths = lengths_of(offsets).to(torch.int64)

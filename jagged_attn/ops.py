@@ -1,8 +1,8 @@
 """torch.library custom ops (with fake implementations and autograd) behind ``jagged_attention``.
 
-* ``jagged_attn::attention``: high-precision q, k, v -> (out, lse); differentiable in q, k, v
-  (quantization is straight-through), its backward is ``jagged_attn::attention_backward``. Under
-  ``torch.autocast`` (CPU or CUDA) q, k, v are cast to the autocast dtype first, as SDPA's are.
+* ``jagged_attn::attention``: high-precision q, k, v -> (out, lse); differentiable in q, k, v through
+  both outputs (quantization is straight-through), its backward is ``jagged_attn::attention_backward``.
+  Under ``torch.autocast`` (CPU or CUDA) q, k, v are cast to the autocast dtype first, as SDPA's are.
 * ``jagged_attn::mxfp8_attention``: pre-quantized operands (data + tiled scales) -> (out, lse).
 
 All three run with autocast off inside.
@@ -12,11 +12,13 @@ The ops take a resolved backend name; validation happens in ``interface.py`` bef
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 from .backends import get_backend
 from .mxfp8 import MXFP8Jagged
-from .offsets import values_unavailable
 
 
 @torch.library.custom_op("jagged_attn::attention", mutates_args=())
@@ -38,16 +40,20 @@ def _(q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, determinist
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     offsets_q: torch.Tensor, offsets_k: torch.Tensor, causal: bool, softmax_scale: float, backend: str,
-    deterministic: bool,
+    deterministic: bool, dlse: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the gradient of O (``dout``) and, unless None, of the LSE (``dlse`` ``[total_q, Hq]``;
+    rows whose LSE is -inf saw no key and get no gradient from it)."""
+    if dlse is not None:
+        dlse = torch.where(lse == -math.inf, 0.0, dlse.to(torch.float32)).contiguous()
     grads = get_backend(backend).backward(
-        dout.contiguous(), q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic
+        dout.contiguous(), q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse
     )
     return tuple(g.contiguous() for g in grads)
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic):
+def _(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, dlse=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -58,29 +64,30 @@ def save_for_attention_backward(ctx, q, k, v, out, lse, offsets_q, offsets_k, ca
     ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic = causal, softmax_scale, backend, deterministic
 
 
-def attention_gradients(ctx, dout):
-    """(dq, dk, dv) from ``jagged_attn::attention_backward`` on what the forward saved."""
+def attention_gradients(ctx, dout, dlse=None):
+    """(dq, dk, dv) from ``jagged_attn::attention_backward`` on what the forward saved; ``dout`` may be None
+    (O took no part in the loss) when ``dlse`` is not."""
     q, k, v, out, lse, offsets_q, offsets_k = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
     return attention_backward_op(
-        dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic
+        dout, q, k, v, out, lse, offsets_q, offsets_k, ctx.causal, ctx.softmax_scale, ctx.backend, ctx.deterministic,
+        dlse,
     )
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, offsets_q, offsets_k, causal, softmax_scale, backend, deterministic, v_axis, check_finite = inputs
-    # An output the loss does not use gets None, not zeros: dlse is then checked (a wait for the
-    # device) only when the caller differentiates through the LSE, not on every backward.
+    # An output the loss does not use gets None, not zeros: the backward then skips the LSE's term.
     ctx.set_materialize_grads(False)
     save_for_attention_backward(ctx, q, k, v, *output, offsets_q, offsets_k, causal, softmax_scale, backend,
                                 deterministic)
 
 
 def _backward(ctx, dout, dlse):
-    if dlse is not None and not values_unavailable(dlse) and bool((dlse != 0).any()):
-        raise NotImplementedError("gradients through the returned LSE are not supported")
-    if dout is None:  # only the LSE took part in the loss, with a zero gradient
+    if dout is None and dlse is None:
         return (None,) * 11
-    return *attention_gradients(ctx, dout), None, None, None, None, None, None, None, None
+    return *attention_gradients(ctx, dout, dlse), None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

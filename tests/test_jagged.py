@@ -110,3 +110,11 @@ def test_fbgemm_pipeline_dense_to_jagged_quantize_attention_back_to_padded():
     back = JaggedTensor.from_padded(padded.view(batch, max_len, heads, dim), lengths, use_fbgemm=True).values
     assert relative_l2(back, expected) < 1e-2  # bf16 output rounding only
     assert not padded[1].any() and not padded[0, 3:].any()  # padding rows stay zero
+
+
+def test_offsets_from_starts():
+    from jagged_attn.offsets import offsets_from_starts
+
+    starts = torch.tensor([False, False, True, True, False, False, True])  # the first token always starts one
+    assert offsets_from_starts(starts).tolist() == [0, 2, 3, 6, 7]
+    assert offsets_from_starts(torch.zeros(0, dtype=torch.bool)).tolist() == [0]
