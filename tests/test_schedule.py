@@ -30,7 +30,8 @@ lengths_strategy = st.lists(st.sampled_from(EDGE_LENGTHS), min_size=1, max_size=
 @settings(deadline=None, max_examples=40)
 @given(len_rows=lengths_strategy, len_cols=lengths_strategy, block=st.sampled_from([64, 128]),
        causal=st.booleans(), rows_are_queries=st.booleans(), dtype=st.sampled_from([torch.int32, torch.int64]))
-def test_work_list_covers_every_tile_longest_sequence_and_tile_first(len_rows, len_cols, block, causal, rows_are_queries, dtype):
+def test_work_list_covers_every_tile_longest_sequence_and_tile_first(len_rows, len_cols, block, causal,
+                                                                    rows_are_queries, dtype):
     batch = min(len(len_rows), len(len_cols))
     len_rows, len_cols = len_rows[:batch], len_cols[:batch]
     offsets_rows = offsets_from_lengths(torch.tensor(len_rows)).to(dtype)
