@@ -8,8 +8,9 @@ Every backend offers the same three entry points:
   on bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype; with
   ``check_finite`` raises ValueError for NaN/Inf in q, k or v, read once its kernels are queued: the
   Hopper kernels flag NaN/Inf in their own pass over the inputs);
-* ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic)
-  -> (dq, dk, dv)`` on the high-precision tensors saved by the forward.
+* ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse=None)
+  -> (dq, dk, dv)`` on the high-precision tensors saved by the forward; ``dlse`` (fp32 ``[total_q, Hq]``,
+  zero where the LSE is -inf) is the gradient of the LSE, None where it has none.
 
 ``reference`` is the spec in plain torch (any device); ``triton`` is the Hopper (sm_90) path,
 with S = QK^T exact in the forward and S and dP = dO V^T exact in the backward (bf16 MMAs on the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,9 +78,10 @@ def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, 
     return _with_finite_check(check_finite, q, k, v, forward)
 
 
-def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
+def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic,
+                        dlse=None):
     grads = reference_backward(
-        dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale
+        dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale, dlse=dlse
     )
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
@@ -102,10 +105,11 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
                                             check_finite=check_finite, **options)
 
-    def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic):
+    def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse=None):
         with on_device_of(q):
             return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                          softmax_scale=softmax_scale, deterministic=deterministic, **options)
+                                          softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse,
+                                          **options)
 
     head_dims = tuple(sorted(set(fwd.HEAD_DIMS) & set(bwd.HEAD_DIMS)))
     return Backend(name, forward_mx, forward_hp, backward, head_dims)
@@ -149,12 +153,30 @@ def check_head_dim(name: str, head_dim: int) -> None:
         raise ValueError(f"backend={name!r} supports head_dim in {head_dims}, got {head_dim}")
 
 
+# Run, not traced, under torch.compile: the warning is a side effect dynamo cannot trace.
+@torch.compiler.assume_constant_result
 def auto_backend_name(device: torch.device) -> str:
-    """``triton`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere."""
+    """``triton-fast`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere: quietly on
+    CPU, on other CUDA GPUs with a UserWarning (once per process for each sm).
+
+    On Hopper, S and dP from FP8 wgmma are as close to exact attention (fp64, unquantized inputs) as
+    the reference backend is, on every input kind of the accuracy tests; exact S buys no accuracy there."""
     if device.type != "cuda":
         return "reference"
-    major = torch.cuda.get_device_capability(device)[0]
-    return "triton" if major == 9 else "exact" if major >= 10 else "reference"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "triton-fast"
+    if major >= 10:
+        return "exact"
+    _warn_reference_on_gpu(f"sm_{major}{minor}")
+    return "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_reference_on_gpu(sm: str) -> None:
+    warnings.warn(f"backend='auto' runs the reference backend (MXFP8 attention in plain PyTorch, far slower than "
+                  f"the kernels) on this {sm} GPU: the kernel backends need Hopper (sm_90) or Blackwell (sm_100+). "
+                  "Pass backend='reference' to choose it without this warning.", UserWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)

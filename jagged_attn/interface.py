@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from .backends import BACKENDS, auto_backend_name, check_head_dim, check_kernel_device
-from .jagged import JaggedTensor, is_jagged_nested, pack_attention_nested, unpack_attention_nested
+from .jagged import split_heads, unpack_jagged
 from .mxfp8 import MXFP8Jagged, check_values
 from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
                       value_checks)
@@ -18,22 +18,26 @@ V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantizati
 
 
 def _unpack(x, offsets, name):
-    """Accept a tensor (+ offsets), a JaggedTensor, a jagged nested tensor, fbgemm's ``(values, [offsets])``
-    pair or an MXFP8Jagged. Returns (values, offsets, heads_first): ``heads_first`` is None unless
-    ``x`` is a nested tensor, then whether it is in SDPA's ``[B, H, j, D]`` layout."""
-    if is_jagged_nested(x):
-        if offsets is not None:
-            raise ValueError(f"{name} is a nested tensor: it carries its own offsets, do not pass them")
-        return unpack_attention_nested(x)
-    if isinstance(x, JaggedTensor):
-        return x.values, x.offsets if offsets is None else offsets, None
-    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (list, tuple)):
-        if len(x[1]) != 1:
-            raise ValueError(f"{name}: fbgemm-style (values, [offsets]) must hold exactly one offsets tensor")
-        return x[0], x[1][0] if offsets is None else offsets, None
+    """An MXFP8Jagged or any container of :func:`unpack_jagged` -> (values, offsets, pack)."""
     if isinstance(x, MXFP8Jagged):
-        return x, x.offsets if offsets is None else offsets, None
-    return x, offsets, None
+        return x, x.offsets if offsets is None else offsets, lambda out, out_offsets: out
+    return unpack_jagged(x, offsets, name, other_kinds=("an MXFP8Jagged",))
+
+
+def _split_heads(q, k, v, heads):
+    """2-D ``[total, H * D]`` q, k, v as ``[total, H, D]``: q in ``heads`` heads, k and v in heads of q's D."""
+    q = split_heads(q, heads, "q")
+    head_dim = q.shape[2]
+    for name, x in (("k", k), ("v", v)):
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] and x.shape[1] % head_dim == 0):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be 2-D [total, heads_kv * {head_dim}] (heads of q's head_dim), got {shape}")
+    return q, split_heads(k, k.shape[1] // head_dim, "k"), split_heads(v, v.shape[1] // head_dim, "v")
+
+
+def _under_autocast(device: torch.device) -> bool:
+    """Whether torch.autocast is on for ``device``'s type and the ops cast q, k, v to one dtype there."""
+    return device.type in ops.AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device.type)
 
 
 def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: torch.device,
@@ -75,7 +79,7 @@ def _same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_shapes(q_shape, k_shape, v_shape):
     if len(q_shape) != 3 or len(k_shape) != 3 or len(v_shape) != 3:
-        raise ValueError("q, k, v must be [total, heads, head_dim]")
+        raise ValueError("q, k, v must be [total, heads, head_dim] (2-D [total, heads * head_dim] with heads=)")
     if tuple(k_shape) != tuple(v_shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
     if q_shape[2] != k_shape[2]:
@@ -87,27 +91,29 @@ def _check_shapes(q_shape, k_shape, v_shape):
 def jagged_attention(
     q, k, v, offsets_q=None, offsets_k=None, *, causal: bool = False, softmax_scale: float | None = None,
     backend: str = "auto", return_lse: bool = False, deterministic: bool = False, v_scaling: str = "sequence",
+    heads: int | None = None,
 ):
     """Attention over a ragged batch: ``out[b] = softmax(q_b k_b^T * scale + mask) v_b``.
 
     Args:
         q: ``[total_q, Hq, D]`` bf16/fp16/fp32, or an ``MXFP8Jagged`` on the feature axis. A
-            ``JaggedTensor``, fbgemm's ``(values, [offsets])`` pair, or a jagged nested tensor
-            (``[B, j, H, D]`` or SDPA's ``[B, H, j, D]``; then out is a nested tensor of that layout)
-            also works.
+            ``JaggedTensor``, fbgemm's ``(values, [offsets])`` pair, a jagged nested tensor
+            (``[B, j, H, D]`` or SDPA's ``[B, H, j, D]``), or any object with ``.values()`` and
+            ``.offsets()`` methods (torchrec's ``JaggedTensor``) also works; out then comes in q's
+            kind of container (``type(q)(values=..., offsets=...)`` for the last).
         k, v: ``[total_k, Hkv, D]`` (same kinds as q; an MXFP8 k is on the feature axis, v on the
             sequence axis). ``Hq % Hkv == 0`` (GQA/MQA); D a multiple of 32.
-        offsets_q, offsets_k: int32/int64 ``[B + 1]`` (taken from MXFP8Jagged/JaggedTensor inputs
-            when omitted). ``offsets_k=None`` means self-attention (``offsets_q``).
+        offsets_q, offsets_k: int32/int64 ``[B + 1]`` (taken from the containers when omitted).
+            ``offsets_k=None`` means self-attention (``offsets_q``).
         causal: bottom-right aligned: query i of a sequence sees keys ``j <= i + L_k - L_q``.
             Rows that see no key give 0 (and LSE = -inf).
         softmax_scale: defaults to ``1/sqrt(D)``.
-        backend: ``"auto"`` (Triton on Hopper, exact on Blackwell, reference elsewhere),
-            ``"reference"``, ``"triton"`` (Hopper, S and the backward's dP computed exactly),
-            ``"triton-fast"`` (Hopper, both from FP8 wgmma: ~1.1x faster, further from the
-            reference on inputs with large scores)
-            or ``"exact"``.
-        return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``.
+        backend: ``"auto"`` (triton-fast on Hopper, exact on Blackwell, reference elsewhere),
+            ``"reference"``, ``"triton-fast"`` (Hopper, every GEMM in FP8 wgmma),
+            ``"triton"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.9x the speed,
+            closer to the reference backend but not to exact attention) or ``"exact"``.
+        return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``, differentiable like
+            ``out`` (for :func:`jagged_attn.merge_attention`, ring / context-parallel attention).
         deterministic: bit-identical gradients run to run (the ``triton`` backward then forms dQ
             in a kernel of its own instead of adding partials in L2: 1.4-1.7x the backward's
             time on an H200, dense d128).
@@ -116,15 +122,18 @@ def jagged_attention(
             ``"sequence"`` a later token can change how an earlier token's V is rounded; causal
             training that must rule that out uses ``"token"`` (reference backend only for now).
             For MXFP8 inputs it is read from ``v.axis``.
+        heads: for 2-D high-precision values ``[total, H * D]`` (fbgemm's, torchrec's): q has
+            ``heads`` heads, k and v as many heads of q's D as their width holds; out is 2-D too.
 
     Returns:
         ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
         High-precision inputs get gradients through autograd (quantization is straight-through).
+        Under ``torch.autocast`` q, k, v (of one dtype or mixed) run in the autocast dtype.
     """
     for flag, value in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
-    q, offsets_q, nested_layout = _unpack(q, offsets_q, "q")
+    q, offsets_q, pack = _unpack(q, offsets_q, "q")
     k, offsets_k, _ = _unpack(k, offsets_k, "k")
     v, offsets_v, _ = _unpack(v, None, "v")
     if backend not in BACKENDS:
@@ -138,6 +147,10 @@ def jagged_attention(
     if len(kinds) != 1:
         raise TypeError("q, k, v must be all MXFP8Jagged or all high-precision tensors")
     quantized = kinds.pop()
+    if heads is not None:
+        if quantized:
+            raise ValueError("heads= splits high-precision 2-D values; quantize them with quantize_mxfp8(..., heads=)")
+        q, k, v = _split_heads(q, k, v, heads)
     if quantized:  # an MXFP8Jagged checked its own fields when it was made
         for name, x in (("q", q), ("k", k)):
             if x.axis != "feature":
@@ -150,8 +163,9 @@ def jagged_attention(
     else:
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_values(x, name, finite=False)  # finiteness below, read once the kernels are queued
-        if not (q.dtype == k.dtype == v.dtype):
-            raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if not (q.dtype == k.dtype == v.dtype or _under_autocast(q.device)):
+            raise TypeError(f"q, k, v must share a dtype (or run under torch.autocast), got {q.dtype}, {k.dtype}, "
+                            f"{v.dtype}")
     _check_shapes(q.data.shape if quantized else q.shape, k.data.shape if quantized else k.shape,
                   v.data.shape if quantized else v.shape)
     data = (q.data, k.data, v.data) if quantized else (q, k, v)
@@ -185,6 +199,5 @@ def jagged_attention(
         else:
             out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k,
                                         bool(causal), softmax_scale, name, bool(deterministic), v_axis, check_finite)
-    if nested_layout is not None:
-        out = pack_attention_nested(out, offsets_q, nested_layout)
+    out = pack(out if heads is None else out.flatten(1), offsets_q)
     return (out, lse) if return_lse else out

@@ -138,6 +138,66 @@ def pack_attention_nested(values: torch.Tensor, offsets: torch.Tensor, heads_fir
     return njt.transpose(1, 2) if heads_first else njt
 
 
+JAGGED_KINDS = ("a torch.Tensor (with offsets)", "a JaggedTensor", "a jagged nested tensor",
+                "fbgemm's (values, [offsets]) pair",
+                "an object with .values() and .offsets() methods (torchrec's JaggedTensor)")
+
+
+def _has_methods(x, *names) -> bool:
+    return all(callable(getattr(x, name, None)) for name in names)
+
+
+def unpack_jagged(x, offsets, name: str, other_kinds: tuple[str, ...] = ()):
+    """A ragged batch in any of :data:`JAGGED_KINDS` -> (values ``[total, ...]``, offsets, pack).
+
+    ``pack(values, offsets)`` puts a result back into the kind of container ``x`` came in: a tensor,
+    a JaggedTensor, a nested tensor of the same layout, a ``(values, [offsets])`` pair, or
+    ``type(x)(values=..., offsets=...)`` (torchrec's constructor). ``offsets`` given explicitly replace
+    the container's (a nested tensor carries its own: ValueError). Anything else is a TypeError listing
+    the accepted kinds (and ``other_kinds``, which the caller handles itself)."""
+    if is_jagged_nested(x):
+        if offsets is not None:
+            raise ValueError(f"{name} is a nested tensor: it carries its own offsets, do not pass them")
+        values, offsets, heads_first = unpack_attention_nested(x)
+        return values, offsets, lambda out, out_offsets: pack_attention_nested(out, out_offsets, heads_first)
+    if isinstance(x, torch.Tensor):
+        return x, offsets, lambda out, out_offsets: out
+    if isinstance(x, JaggedTensor):
+        return x.values, x.offsets if offsets is None else offsets, JaggedTensor
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (list, tuple)):
+        if len(x[1]) != 1:
+            raise ValueError(f"{name}: fbgemm-style (values, [offsets]) must hold exactly one offsets tensor")
+        return x[0], x[1][0] if offsets is None else offsets, lambda out, out_offsets: (out, [out_offsets])
+    if _has_methods(x, "values", "offsets"):
+        if _has_methods(x, "keys"):
+            raise TypeError(f"{name} is a {type(x).__name__} with keys (torchrec's KeyedJaggedTensor): its offsets "
+                            f"run over every key; pass one key's JaggedTensor, {name}[key], per call")
+        return x.values(), x.offsets() if offsets is None else offsets, _rebuild(type(x), name)
+    kinds = (*JAGGED_KINDS, *other_kinds)
+    raise TypeError(f"{name} must be {', '.join(kinds[:-1])} or {kinds[-1]}; got {type(x).__name__}")
+
+
+def _rebuild(kind: type, name: str):
+    def pack(values: torch.Tensor, offsets: torch.Tensor):
+        try:
+            return kind(values=values, offsets=offsets)
+        except TypeError as e:
+            raise TypeError(f"{name}'s type {kind.__name__} has .values() and .offsets() but no "
+                            f"{kind.__name__}(values=..., offsets=...) to build the result with") from e
+
+    return pack
+
+
+def split_heads(values: torch.Tensor, heads, name: str) -> torch.Tensor:
+    """fbgemm's / torchrec's 2-D ``[total, heads * D]`` values as ``[total, heads, D]`` (a view)."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[1] % heads:
+        shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"{name}: heads={heads} splits 2-D [total, heads * D] values, got {shape}")
+    return values.unflatten(1, (heads, values.shape[1] // heads))
+
+
 def _fbgemm_op(name: str):
     try:
         import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)

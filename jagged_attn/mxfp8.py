@@ -22,6 +22,7 @@ import torch
 
 from . import mx_format
 from .devices import on_device_of
+from .jagged import split_heads, unpack_jagged
 from .mx_format import BLOCK_SIZE
 from .offsets import (
     check_offsets_facts,
@@ -255,19 +256,22 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str = "rceil",
-                   compile: bool = False) -> MXFP8Jagged:
+                   compile: bool = False, heads: int | None = None) -> MXFP8Jagged:
     """Quantize jagged ``values`` (``[total, heads, D]`` or ``[total, D]``) to MXFP8.
 
-    ``offsets=None`` treats the whole tensor as one sequence. ``axis="feature"`` puts the 32-blocks
-    along D (for Q and K in S = QK^T), ``axis="sequence"`` along each sequence's tokens (for V in
-    O = PV). ``compile=True`` runs the element work through ``torch.compile`` (one fused pass,
-    about 10x faster on large CPU inputs, bit-identical; the first call compiles). CUDA tensors
-    always go through the fused Triton kernel (``kernels/quantize.py``, bit-identical). Raises
-    ValueError/TypeError on bad input before any work.
+    ``values`` may also come in the containers ``jagged_attention`` takes (a JaggedTensor, a jagged
+    nested tensor, fbgemm's ``(values, [offsets])`` pair, an object with ``.values()`` and
+    ``.offsets()``), whose offsets are used unless ``offsets`` is given; ``heads=H`` reads 2-D
+    ``[total, H * D]`` values as ``[total, H, D]``. ``offsets=None`` for a bare tensor treats it as one
+    sequence. ``axis="feature"`` puts the 32-blocks along D (for Q and K in S = QK^T),
+    ``axis="sequence"`` along each sequence's tokens (for V in O = PV). ``compile=True`` runs the
+    element work through ``torch.compile`` (one fused pass, about 10x faster on large CPU inputs,
+    bit-identical; the first call compiles). CUDA tensors always go through the fused Triton kernel
+    (``kernels/quantize.py``, bit-identical). Raises ValueError/TypeError on bad input before any work.
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
-    (mx,) = _quantize_axes(values, offsets, (axis,), rounding, compile)
+    (mx,) = _quantize_axes(values, offsets, (axis,), rounding, compile, heads=heads)
     return mx
 
 
@@ -279,14 +283,18 @@ def quantize_flagging_nonfinite(values, offsets, axis: str, nonfinite: torch.Ten
     return mx
 
 
-def quantize_mxfp8_dual(values, offsets=None, *, rounding: str = "rceil") -> tuple[MXFP8Jagged, MXFP8Jagged]:
+def quantize_mxfp8_dual(values, offsets=None, *, rounding: str = "rceil",
+                        heads: int | None = None) -> tuple[MXFP8Jagged, MXFP8Jagged]:
     """Both layouts of one tensor, ``(feature-axis, sequence-axis)`` MXFP8Jagged, as two
     :func:`quantize_mxfp8` calls would give them; on CUDA one read of ``values`` makes both."""
-    return _quantize_axes(values, offsets, AXES, rounding, False)
+    return _quantize_axes(values, offsets, AXES, rounding, False, heads=heads)
 
 
-def _quantize_axes(values, offsets, axes, rounding, compile, nonfinite=None):
+def _quantize_axes(values, offsets, axes, rounding, compile, nonfinite=None, *, heads=None):
     """The quantizers of ``axes``; NaN/Inf in the block maxima raise, or set ``nonfinite`` if given."""
+    values, offsets, _ = unpack_jagged(values, offsets, "values")
+    if heads is not None:
+        values = split_heads(values, heads, "values")
     check_values(values, "values", finite=False)  # the block maxima are checked instead
     mx_format.check_rounding(rounding)
     total = values.shape[0]

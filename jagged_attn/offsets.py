@@ -159,6 +159,14 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def offsets_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """int64 offsets of the sequences of a packed row of tokens, from bool ``starts [total]`` (True where a
+    sequence begins; the first token always begins one)."""
+    total = starts.numel()
+    first = torch.arange(total, device=starts.device) == 0
+    return torch.cat([(starts | first).nonzero().flatten(), torch.full((1,), total, device=starts.device)])
+
+
 def bounded_offsets(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     """int64 ``offsets`` forced into the convention for ``rows`` rows (clamped to [0, rows], made
     non-decreasing, the last set to ``rows``), formed without waiting for the device: the offsets

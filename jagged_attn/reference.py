@@ -100,13 +100,24 @@ def _fake_quantize(x, offsets, axis, fp8):
     return quantize_mxfp8(x, offsets, axis=axis).dequantize() if fp8 else x
 
 
+def softmax_delta(dout, out, dlse=None, dtype=torch.float32):
+    """Delta ``[total_q, Hq]`` in ``dtype``: ``rowsum(dO * O) - dLSE`` over head_dim.
+
+    With scores s (scaled), dL/ds = P * (dP - rowsum(dO * O)) through O and dLSE * P through the LSE
+    (d lse_i / d s_ij = P_ij), so a gradient of the LSE enters the backward only here. ``dlse``
+    ``[total_q, Hq]`` or None (no gradient through the LSE)."""
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+    return delta if dlse is None else delta - dlse.to(dtype)
+
+
 def reference_backward(
     dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal=False, softmax_scale=None,
-    compute_dtype=torch.float32, fp8=True,
+    compute_dtype=torch.float32, fp8=True, dlse=None,
 ):
     """dQ, dK, dV (compute_dtype) of jagged attention, FlashAttention-2 dataflow with MXFP8 operands.
 
-    All tensors are high precision; ``out``/``lse`` come from :func:`reference_forward`. With
+    All tensors are high precision; ``out``/``lse`` come from :func:`reference_forward`; ``dlse``
+    (``[total_q, Hq]`` or None) is the gradient of the LSE (:func:`softmax_delta`). With
     ``fp8``: S is recomputed from Q, K on the feature axis; P for dV is e4m3 on the static 2^8
     scale; dV = P^T dO (dO on the sequence axis); dP = dO V^T (both on the feature axis);
     dS = P * (dP - Delta) quantized in 32x32 tiles; dQ = dS K, dK = dS^T Q (K, Q on the sequence axis).
@@ -120,7 +131,7 @@ def reference_backward(
     v_feat = _fake_quantize(v, offsets_k, "feature", fp8)
     do_feat = _fake_quantize(dout, offsets_q, "feature", fp8)
     do_seq = _fake_quantize(dout, offsets_q, "sequence", fp8)
-    delta = (dout.to(compute_dtype) * out.to(compute_dtype)).sum(-1)  # [Tq, Hq]
+    delta = softmax_delta(dout, out, dlse, compute_dtype)  # [Tq, Hq]
 
     dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)

@@ -29,6 +29,7 @@ import triton.language as tl
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, quantize_mxfp8_dual, scale_col_tiles
 from jagged_attn.offsets import max_length
+from jagged_attn.reference import softmax_delta
 
 from . import fp8
 from .layout import (
@@ -634,14 +635,15 @@ def attention_forward(
 
 
 def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
-                       deterministic: bool = True):
+                       deterministic: bool = True, dlse=None):
     """dQ, dK, dV of jagged MXFP8 attention with ``tl.dot_scaled`` (the reference backend's dataflow).
 
     Always deterministic (dQ has its own kernel, no atomics): ``deterministic`` is accepted so
     every backend's backward has one signature.
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]`` high precision (as autograd saved
-    them); lse float32 ``[total_q, Hq]`` from the forward. Operands are quantized here with
+    them); lse float32 ``[total_q, Hq]`` from the forward; dlse float32 ``[total_q, Hq]``, the LSE's
+    gradient (subtracted from Delta), or None. Operands are quantized here with
     ``quantize_mxfp8`` / ``quantize_mxfp8_dual`` exactly as ``reference_backward`` does (on CUDA
     one read of Q, K and dO makes both of their layouts). Gradients come out in the inputs'
     dtypes; dK and dV are summed over each KV head's query-head group.
@@ -653,7 +655,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     do_feature, do_sequence = quantize_mxfp8_dual(dout, offsets_q)
     k_feature, k_sequence = quantize_mxfp8_dual(k, offsets_k)
     v_feature = quantize_mxfp8(v, offsets_k, axis="feature")
-    delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)
+    delta = softmax_delta(dout, out, dlse)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     batch = offsets_q.numel() - 1

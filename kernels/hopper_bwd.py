@@ -176,13 +176,13 @@ def _quantize_kernel(
     x_ptr, offsets_ptr, tiles_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
-    out_ptr, lse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE [total, H] -> fp32 [H, total] each
+    out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
     rows_ptr,  # fp32 [vectors, H, padded]: per-query vectors in padded slots (the Gluon kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr, Q_FACTOR_ROW: tl.constexpr,
-    Q_DELTA_ROW: tl.constexpr,
+    DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr,
+    Q_FACTOR_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
@@ -198,6 +198,8 @@ def _quantize_kernel(
     kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end.
     P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
     the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
+    DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
+    wherever Delta goes.
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
@@ -214,6 +216,8 @@ def _quantize_kernel(
         if DELTA:  # first, so that O's tile is dead before the copies are formed
             o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
             delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
+            if DLSE:
+                delta -= tl.load(dlse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
             tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
             lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
@@ -540,7 +544,7 @@ class _Quantized:
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
-def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
+def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None, dlse=None,
               order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
@@ -550,7 +554,8 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
     (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
     token scales are written as well, for what the kernels fold into dS).
-    With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``.
+    With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``; ``dlse`` (fp32
+    ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
@@ -599,11 +604,12 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
         result.feature if feature else unused, result.feature_scale if feature else unused,
         amax if sequence else unused, result.sequence if sequence else unused,
         result.sequence_scale if sequence else unused,
-        out if with_delta else unused, lse if with_delta else unused,
+        out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
         total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, ORDER=order, SCALE_ROW=scale_row,
-        P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row, INTERPRET=fp8.INTERPRETED,
+        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, DLSE=with_delta and dlse is not None, ORDER=order,
+        SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row,
+        INTERPRET=fp8.INTERPRETED,
         num_warps=QUANTIZE_WARPS, **shape,
     )
     return result, delta, lse2
@@ -641,7 +647,7 @@ def _default_config(device: torch.device, kernel: str | None = None, scores: str
                 num_stages=1)
 
 
-def _check_inputs(dout, q, k, v, out, lse):
+def _check_inputs(dout, q, k, v, out, lse, dlse):
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
             f"expected q/dout/out [total_q, Hq, D] and k/v [total_k, Hkv, D], got q {tuple(q.shape)}, "
@@ -651,17 +657,19 @@ def _check_inputs(dout, q, k, v, out, lse):
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} for q and k, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if tuple(lse.shape) != tuple(q.shape[:2]):
-        raise ValueError(f"lse must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(lse.shape)}")
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and tuple(t.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
 
 
 class _Prepared:
     """The producers' outputs for one backward call, plus the sizes the launches need."""
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
-                 key_order=NATURAL_ORDER, exact_scores=False, row_vectors=False):
+                 key_order=NATURAL_ORDER, exact_scores=False, row_vectors=False, dlse=None):
         """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders);
-        ``row_vectors``: also the Gluon kernel's per-query vectors in padded slots (``self.rows``)."""
+        ``row_vectors``: also the Gluon kernel's per-query vectors in padded slots (``self.rows``);
+        ``dlse``: the LSE's gradient, taken into Delta (None: none)."""
         self.query_order, self.key_order = query_order, key_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
@@ -673,6 +681,7 @@ class _Prepared:
         self.tiles_k = self.tiles_q if same_side else slot_tiles(offsets_k, self.total_k)
         dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
+        dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
         # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
         # as bf16 holding their MX values, for the Gluon kernel's exact S and dP.
@@ -688,7 +697,7 @@ class _Prepared:
         self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
                                  tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
-                                                   lse=lse, order=query_order, feature_dtype=score_dtype,
+                                                   lse=lse, dlse=dlse, order=query_order, feature_dtype=score_dtype,
                                                    tiles=self.tiles_q, rows=self.rows)
 
     @cached_property
@@ -767,7 +776,7 @@ def gluon_preparation(deterministic: bool = False) -> dict:
 
 
 def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
-                   deterministic, kernel="triton", **config):
+                   deterministic, kernel="triton", dlse=None, **config):
     """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`.
     ``kernel``: "gluon" (``hopper_bwd_ws``; ``config`` only ``exact_scores``) or "triton" (tile ``config``)."""
     if offsets_q.numel() == 1:
@@ -776,11 +785,11 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
         exact_scores = config.pop("exact_scores", True)
         if config:
             raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
-        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact_scores,
+        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact_scores, dlse=dlse,
                          **gluon_preparation(deterministic))
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
-    prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
+    prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse)
     tma_reduce = config.pop("tma_reduce")  # how dK/dV's kernel adds dQ; the deterministic dQ kernel adds none
     launch = dict(softmax_scale=softmax_scale, causal=causal, **config)
     if prep.total_k > 0:
@@ -797,11 +806,13 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
 
 
 def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
-                       deterministic: bool = False, scores: str = "bf16", kernel: str | None = None):
+                       deterministic: bool = False, scores: str = "bf16", kernel: str | None = None, dlse=None):
     """dQ, dK, dV of varlen MXFP8 attention (docs/DESIGN.md section 3 dataflow, Hopper scale handling).
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``, high precision (fp32, bf16
-    or fp16); lse: float32 ``[total_q, Hq]``, natural log, -inf for rows that see no key;
+    or fp16); lse: float32 ``[total_q, Hq]``, natural log, -inf for rows that see no key; dlse: None or
+    the LSE's gradient, float32 ``[total_q, Hq]`` (subtracted from Delta by dO's producer, where every
+    kernel reads Delta from);
     offsets_q / offsets_k: int32 or int64 ``[B + 1]``. Causal is bottom-right aligned; D is 64
     or 128; ``Hq % Hkv == 0`` (dK, dV summed over each KV head's query-head group). Returns
     (dq, dk, dv) in the inputs' dtypes.
@@ -821,9 +832,9 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     bit-identical results, at the price of recomputing S and dP there: 40.9 ms on the same H200
     workload (docs/perf-history.md, v8).
     """
-    _check_inputs(dout, q, k, v, out, lse)
+    _check_inputs(dout, q, k, v, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                   softmax_scale=softmax_scale, deterministic=deterministic,
+                   softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse,
                    **_default_config(q.device, kernel, scores))
     return dq, dk, dv

@@ -34,8 +34,8 @@ from jagged_attn.mxfp8 import MXFP8Jagged, checked_after, largest_magnitudes
 from . import fp8, hopper_fwd_ws, layout
 from .rebase import (
     dequantized_feature_rows,
+    kept_rebase_kv,
     quantize_rebase_kv,
-    rebase_kv,
     rebased_feature_rows,
     scale_args,
 )
@@ -297,14 +297,15 @@ def attention_forward(
     q, k: feature-axis ``MXFP8Jagged`` (``[total_q, Hq, D]``, ``[total_k, Hkv, D]``); v: sequence-axis,
     offsets equal to k's. Returns (out ``[total_q, Hq, D]`` out_dtype, lse fp32 ``[total_q, Hq]``, natural
     log; rows that see no key get out = 0 and lse = -inf). Causal is bottom-right aligned.
-    K and V are rebased in one pass each; Q is rebased inside the kernel. ``scores`` picks how S is
-    computed (:func:`tile_config`).
+    K and V are rebased in one pass each (kept for later calls on the same k and v:
+    ``rebase.kept_rebase_kv``); Q is rebased inside the kernel. ``scores`` picks how S is computed
+    (:func:`tile_config`).
     """
     if hopper_fwd_ws.runs_on(q.data, scores):
         return hopper_fwd_ws.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                                out_dtype=out_dtype, scores=scores)
     config = tile_config(q.head_dim, scores)
-    rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
+    rebased_kv = kept_rebase_kv(k, v, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     return _forward(
         q.data,
         q,

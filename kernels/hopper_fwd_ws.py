@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from jagged_attn.mxfp8 import checked_after
 
 from . import fp8, layout
-from .rebase import quantize_rebase_feature, quantize_rebase_kv, rebase_feature, rebase_kv
+from .rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
 from .schedule import work_list
 from .tma import operand_descriptor
 
@@ -301,11 +301,12 @@ def runs_on(x: torch.Tensor, scores: str) -> bool:
 
 
 def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16, scores="fp8"):
-    """``hopper_fwd.attention_forward`` (MXFP8Jagged q, k on the feature axis, v on the sequence axis)."""
+    """``hopper_fwd.attention_forward`` (MXFP8Jagged q, k on the feature axis, v on the sequence axis);
+    the rebased operands are kept for the next call on the same inputs (``rebase.kept_rebase_kv``)."""
     config = tile_config(q.head_dim, scores)
     exact = scores == "bf16"
-    rebased_q = rebase_feature(q, group=1, exact=exact)
-    rebased_kv = rebase_kv(k, v, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER)
+    rebased_q = kept_rebase_feature(q, group=1, exact=exact)
+    rebased_kv = kept_rebase_kv(k, v, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER)
     return _forward(*rebased_q, *rebased_kv, q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale,
                     out_dtype=out_dtype, config=config)
 

@@ -28,7 +28,9 @@ non-reduced index, in one pass over the data (two for the sequence axis):
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
 tiled scale buffer) or high-precision values, quantized here with the same numbers as
-``quantize_mxfp8`` and then rebased, in the same pass.
+``quantize_mxfp8`` and then rebased, in the same pass. The forms of an ``MXFP8Jagged`` are kept while
+its tensors live unwritten (:func:`kept_rebase_feature`, :func:`kept_rebase_kv`, ``reuse.py``): MXFP8
+inputs are quantized once to be attended many times, so only the first call pays for the passes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
-from . import fp8, layout
+from . import fp8, layout, reuse
 from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from .schedule import SLOT_TOKENS, slot_tiles
 
@@ -402,6 +404,21 @@ def rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, v
     work = slot_tiles(k.offsets, k.total)
     return (*_rebase_feature(k.data, k.offsets, k, k.rounding, group, exact, work),
             *_rebase_sequence(v.data, v.offsets, v, v.rounding, work, v_order))
+
+
+def _sources(*operands: MXFP8Jagged) -> tuple[torch.Tensor, ...]:
+    return tuple(t for mx in operands for t in (mx.data, mx.scales, mx.offsets))
+
+
+def kept_rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False):
+    """:func:`rebase_feature`, built once while ``mx``'s tensors live unwritten (``reuse.derived``)."""
+    return reuse.derived(_sources(mx), ("feature", group, exact), lambda: rebase_feature(mx, group, exact))
+
+
+def kept_rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = False, v_order=layout.NATURAL_ORDER):
+    """:func:`rebase_kv`, built once while ``k``'s and ``v``'s tensors live unwritten (``reuse.derived``)."""
+    return reuse.derived(_sources(k, v), ("kv", group, exact, int(v_order)),
+                         lambda: rebase_kv(k, v, group, exact, v_order))
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,

@@ -7,12 +7,16 @@ of (sequence, tile index) rows; a slot holding ``EMPTY_SLOT`` in both columns ha
 :func:`tile_list` lays the slots out as ``offsets.padded_tile`` places tiles (sequence ``b``'s tiles
 in order from ``padded_tile(offsets[b], b, block)``, then its spare slot, empty), so the slot count
 is known on the host without reading the offsets; a slot finds its sequence by binary search.
-:func:`work_list` orders the same slots by the number of columns each tile visits, most first: the
-GPU hands programs out in launch order, so the long tiles start first and the short ones fill the
-gaps (longest-processing-time-first); empty slots sit at the end. Either costs one kernel launch
+:func:`work_list` orders the same slots sequence by sequence, the most work first, and within a
+sequence by the number of columns each tile visits, most first: the GPU hands programs out in
+launch order, so the long work starts first and the short fills the gaps
+(longest-processing-time-first), while the programs running at once share a sequence's data in L2;
+empty slots sit at the end. Either costs one kernel launch
 (plus a sort for the work list): a training step builds six tables, and launching a few dozen small
-torch ops per table left the GPU idle while the host worked (docs/perf-history.md v16). Extra memory: 8
-bytes per slot.
+torch ops per table left the GPU idle while the host worked (docs/perf-history.md v16). Both are kept
+while their offsets tensors live unwritten (``reuse.py``): the layers of a model share one offsets
+tensor per batch, so a step builds each table once. Extra memory: 8 bytes per slot. Callers must not
+write into a returned table.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import triton.language as tl
 from jagged_attn.offsets import padded_tile
 from jagged_attn.scale_layout import TILE_ROWS
 
-from . import layout
+from . import layout, reuse
 
 EMPTY_SLOT = -1
 _EMPTY = tl.constexpr(EMPTY_SLOT)
+_LAST_KEY = tl.constexpr(2**63 - 1)  # an empty slot's order key: after every sequence's
 SLOT_TOKENS = TILE_ROWS  # tokens of one padded slot: ``offsets.padded_seq_start`` aligns every sequence to it
 SLOTS_PER_PROGRAM = 1024
 
@@ -55,11 +60,26 @@ def _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL: tl.const
 
 
 @triton.jit
-def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, slots, batch, search_steps, block,
+def _visible_pairs(len_rows, len_cols, CAUSAL: tl.constexpr):
+    """int64 (query, key) pairs a sequence attends: the same whichever side is tiled."""
+    a = len_rows.to(tl.int64)
+    b = len_cols.to(tl.int64)
+    if not CAUSAL:
+        return a * b
+    # Bottom-right alignment: the shorter side's elements see a triangle, the longer side's surplus
+    # (queries only: keys past the diagonal's start are seen by every query) the whole shorter side.
+    short = tl.minimum(a, b)
+    return short * (short + 1) // 2 + tl.where(a <= b, short * (b - short), 0)
+
+
+@triton.jit
+def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, order_keys, slots, batch, search_steps, block,
                        CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr, WITH_COSTS: tl.constexpr,
                        SLOTS_PER_PROGRAM: tl.constexpr):
     """``table[slot]`` = (sequence, tile) of a batch's slots, ``EMPTY_SLOT`` in each sequence's spare
-    one; with ``WITH_COSTS``, ``costs[slot]`` = the tile's visible columns (-1 for an empty slot)."""
+    one; with ``WITH_COSTS``, ``costs[slot]`` = the tile's visible columns (-1 for an empty slot) and
+    ``order_keys[slot]`` = ``-pairs(sequence) * (batch + 1) + sequence`` (int64; the largest int64 for an
+    empty slot): ascending, the sequences with the most work first, ties in sequence order."""
     slot = tl.program_id(0) * SLOTS_PER_PROGRAM + tl.arange(0, SLOTS_PER_PROGRAM)
     inside = slot < slots
     seq = layout.owning_sequence(slot, offsets_rows, batch, search_steps, block, True)
@@ -74,29 +94,35 @@ def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, slots, batch, s
         tile_rows = tl.minimum(len_rows - tile_start, block)
         cost = _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL, ROWS_ARE_QUERIES)
         tl.store(costs + slot, tl.where(used, cost, -1), mask=inside)
+        len_q, len_k = (len_rows, len_cols) if ROWS_ARE_QUERIES else (len_cols, len_rows)
+        key = -_visible_pairs(len_q, len_k, CAUSAL) * (batch + 1) + seq
+        tl.store(order_keys + slot, tl.where(used, key, _LAST_KEY), mask=inside)
 
 
 def _slot_table(offsets_rows, offsets_cols, total_rows: int, block: int, causal: bool, rows_are_queries: bool,
                 with_costs: bool):
-    """(int32 ``[slots, 2]`` table in padded-tile order, int32 ``[slots]`` costs or None)."""
+    """(int32 ``[slots, 2]`` table in padded-tile order, and int32 ``[slots]`` costs and int64 ``[slots]``
+    order keys, or None and None)."""
     batch = offsets_rows.numel() - 1
     slots = tile_slots(total_rows, batch, block)
     device = offsets_rows.device
     table = torch.empty(slots, 2, dtype=torch.int32, device=device)
     costs = torch.empty(slots, dtype=torch.int32, device=device) if with_costs else None
+    order_keys = torch.empty(slots, dtype=torch.int64, device=device) if with_costs else None
     if slots:
         _slot_table_kernel[(triton.cdiv(slots, SLOTS_PER_PROGRAM),)](
-            offsets_rows, offsets_cols, table, costs, slots, batch, batch.bit_length(), block,
+            offsets_rows, offsets_cols, table, costs, order_keys, slots, batch, batch.bit_length(), block,
             CAUSAL=causal, ROWS_ARE_QUERIES=rows_are_queries, WITH_COSTS=with_costs,
             SLOTS_PER_PROGRAM=SLOTS_PER_PROGRAM,
         )
-    return table, costs
+    return table, costs, order_keys
 
 
 def tile_list(offsets_rows: torch.Tensor, total_rows: int, block: int) -> torch.Tensor:
     """int32 ``[slots, 2]``: (sequence, tile) of every ``block``-row tile, in sequence order with
     each sequence's spare slot empty: for passes whose tiles all cost the same (no sort)."""
-    return _slot_table(offsets_rows, None, total_rows, block, False, True, with_costs=False)[0]
+    return reuse.derived((offsets_rows,), ("tiles", total_rows, block), lambda: _slot_table(
+        offsets_rows, None, total_rows, block, False, True, with_costs=False)[0])
 
 
 def slot_tiles(offsets_rows: torch.Tensor, total_rows: int) -> torch.Tensor:
@@ -114,14 +140,23 @@ def work_list(
     causal: bool,
     rows_are_queries: bool = True,
 ) -> torch.Tensor:
-    """int32 ``[slots, 2]``: (sequence, tile) of every row tile, the most expensive first.
+    """int32 ``[slots, 2]``: (sequence, tile) of every row tile, the sequences with the most work
+    first, each sequence's tiles the most expensive first.
 
     ``offsets_rows`` are the offsets of the tiled side (``total_rows`` rows in all: the values'
     first dimension, so no host read is needed), ``offsets_cols`` those of the other side
-    (same batch). A tile's cost is the number of columns its most-seeing row visits; ties keep
-    sequence order. Tiles that see no column still get a slot (their rows must be written); empty
-    slots are ``(-1, -1)`` at the end.
+    (same batch). A sequence's work is its visible (query, key) pairs, a tile's cost the number of
+    columns its most-seeing row visits; ties keep sequence order, then tile order. Tiles that see no
+    column still get a slot (their rows must be written); empty slots are ``(-1, -1)`` at the end.
+
+    Sequence by sequence rather than all tiles by cost: the programs running at once then mostly
+    share one sequence's other side in L2. By cost alone, a causal batch's costs (which fall along
+    each sequence) interleave the tiles of every sequence.
     """
-    table, costs = _slot_table(offsets_rows, offsets_cols, total_rows, block, causal, rows_are_queries,
-                               with_costs=True)
-    return table[torch.argsort(costs, descending=True, stable=True)]
+    def build():
+        table, costs, order_keys = _slot_table(offsets_rows, offsets_cols, total_rows, block, causal,
+                                               rows_are_queries, with_costs=True)
+        by_cost = torch.argsort(costs, descending=True, stable=True)
+        return table[by_cost[torch.argsort(order_keys[by_cost], stable=True)]]
+
+    return reuse.derived((offsets_rows, offsets_cols), ("work", total_rows, block, causal, rows_are_queries), build)

@@ -127,8 +127,9 @@ def poison_cuda_cache() -> None:
 
 
 def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, kind, dtype, device,
-                    offsets_dtype=torch.int64):
-    """Forward and backward of the exact path vs the reference (float64) on the same MXFP8 operands."""
+                    offsets_dtype=torch.int64, with_dlse=False):
+    """Forward and backward of the exact path vs the reference (float64) on the same MXFP8 operands;
+    ``with_dlse``: the backward with a gradient of the LSE as well."""
     offsets_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device, offsets_dtype)
     offsets_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device, offsets_dtype)
     total_q, total_k = sum(lengths_q), sum(lengths_k)
@@ -156,10 +157,12 @@ def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, k
     # comparison measures the kernel (fp32 accumulation order), not the bf16 rounding of outputs.
     errors = {"out": rel_l2(out, ref_out.to(dtype))}
 
+    dlse = torch.where(seen, torch.randn(lse.shape, device=device), 0.0) if with_dlse else None
     poison_cuda_cache()
-    grads = exact.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
+    grads = exact.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale,
+                                     dlse=dlse)
     ref_grads = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                   softmax_scale=scale, compute_dtype=torch.float64)
+                                   softmax_scale=scale, compute_dtype=torch.float64, dlse=dlse)
     for name, grad, ref, like in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype
         assert torch.isfinite(grad).all(), name
@@ -170,11 +173,12 @@ def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, k
 
 
 @needs_dot_scaled_interpreter
-@pytest.mark.parametrize("causal,heads_q,heads_kv,head_dim", [(True, 4, 2, 64), (False, 2, 2, 128)])
-def test_exact_matches_reference_tiny(causal, heads_q, heads_kv, head_dim):
+@pytest.mark.parametrize("causal,heads_q,heads_kv,head_dim,with_dlse", [(True, 4, 2, 64, True),
+                                                                       (False, 2, 2, 128, False)])
+def test_exact_matches_reference_tiny(causal, heads_q, heads_kv, head_dim, with_dlse):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check_attention([0, 1, 33, 130, 31], [5, 0, 64, 129, 160], heads_q, heads_kv, head_dim, causal, "gaussian",
-                    torch.float32, device, offsets_dtype=torch.int32)
+                    torch.float32, device, offsets_dtype=torch.int32, with_dlse=with_dlse)
 
 
 RAGGED_Q = [0, 1, 31, 32, 33, 127, 128, 129, 300, 5]
@@ -194,6 +198,13 @@ RAGGED_K = [7, 0, 64, 31, 200, 129, 1, 128, 257, 0]
 )
 def test_exact_matches_reference_gpu(kind, lengths_k, causal, heads_q, heads_kv, head_dim):
     check_attention(RAGGED_Q, lengths_k, heads_q, heads_kv, head_dim, causal, kind, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_lse_gradient_gpu(causal):
+    """The backward with a gradient of the LSE too (taken into Delta) on ragged cross-attention."""
+    check_attention(RAGGED_Q, RAGGED_K, 4, 2, 128, causal, "gaussian", torch.bfloat16, "cuda", with_dlse=True)
 
 
 @pytest.mark.gpu

@@ -50,8 +50,9 @@ def test_mxfp8_inputs_and_other_forms_agree():
     out = ja.jagged_attention(q, k, v, oq, ok)
     assert torch.equal(out_mx, out.to(torch.bfloat16))
     jagged = ja.jagged_attention(ja.JaggedTensor(q, oq), ja.JaggedTensor(k, ok), ja.JaggedTensor(v, ok))
-    fbgemm_pairs = ja.jagged_attention((q, [oq]), (k, [ok]), (v, [ok]))
-    assert torch.equal(jagged, out) and torch.equal(fbgemm_pairs, out)
+    fbgemm_values, [fbgemm_offsets] = ja.jagged_attention((q, [oq]), (k, [ok]), (v, [ok]))
+    assert isinstance(jagged, ja.JaggedTensor) and torch.equal(jagged.values, out) and jagged.offsets is oq
+    assert torch.equal(fbgemm_values, out) and fbgemm_offsets is oq
 
 
 def test_self_attention_defaults_and_scale():
@@ -67,6 +68,12 @@ def test_torch_library_opcheck():
     args = [x.requires_grad_(True) for x in (q, k, v)] + [oq, ok, True, 0.2, "reference", False, "sequence", True]
     torch.library.opcheck(torch.ops.jagged_attn.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    out, lse = (t.detach() for t in torch.ops.jagged_attn.attention(*args))
+    for dlse in (None, torch.randn_like(lse)):
+        backward_args = [torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, oq, ok, True, 0.2,
+                         "reference", False, dlse]
+        torch.library.opcheck(torch.ops.jagged_attn.attention_backward.default, backward_args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_import_registers_the_torch_library_ops():
@@ -91,29 +98,56 @@ def test_torch_compile_fullgraph_forward_backward():
     assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
-def test_gradient_through_lse_is_refused():
+@pytest.mark.parametrize("with_dout", [False, True])
+def test_gradient_through_lse(with_dout):
+    """The LSE is differentiable: a loss of the LSE (alone, or with O) gives the gradients of
+    ``reference_backward`` with ``dlse`` on the same inputs, bit for bit; rows that see no key (causal,
+    L_q > L_k) give no gradient whatever their dLSE holds (inf, NaN: zeros, not NaN)."""
+    q, k, v, oq, ok = _inputs(lengths_q=(3, 0, 40, 33), lengths_k=(50, 2, 0, 20))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = ja.jagged_attention(*leaves, oq, ok, causal=True, return_lse=True)
+    unseen = torch.isneginf(lse)
+    assert unseen.any() and not unseen.all()
+    dout = torch.randn_like(out) if with_dout else torch.zeros_like(out)
+    dlse = torch.randn_like(lse)
+    dlse_given = dlse.masked_fill(unseen, float("nan"))
+    dlse_given[tuple(unseen.nonzero()[0])] = float("inf")
+    outputs, grad_outputs = ((out, lse), (dout, dlse_given)) if with_dout else ((lse,), (dlse_given,))
+    grads = torch.autograd.grad(outputs, leaves, grad_outputs)
+    expected = reference_backward(dout, q, k, v, out.detach(), lse.detach(), oq, ok, causal=True,
+                                  dlse=dlse.masked_fill(unseen, 0.0))
+    for g, e in zip(grads, expected):
+        assert torch.equal(g, e)
+    assert grads[0].any() and bool(grads[2].any()) == with_dout  # dV = P^T dO: nothing from the LSE
+
+
+def test_lse_gradient_under_torch_compile():
     q, k, v, oq, ok = _inputs()
-    q.requires_grad_(True)
-    _, lse = ja.jagged_attention(q, k, v, oq, ok, return_lse=True)
-    with pytest.raises(NotImplementedError, match="LSE"):
-        lse[torch.isfinite(lse)].sum().backward()
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+    def loss(a, b, c):
+        out, lse = ja.jagged_attention(a, b, c, oq, ok, causal=True, return_lse=True)
+        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    for g, e in zip(torch.autograd.grad(compiled(*leaves), leaves), eager):
+        assert torch.equal(g, e)
 
 
-def test_backward_reads_no_lse_gradient_the_loss_does_not_use(monkeypatch):
-    """The LSE is an output of the attention op; when the loss uses only O, the backward gets no
-    LSE gradient (not a zeros tensor) and so never inspects its values, which on a GPU would make
-    the host wait for the device on every backward."""
-    from jagged_attn import ops
+def test_backward_passes_no_lse_gradient_the_loss_does_not_use(monkeypatch):
+    """When the loss uses only O the backward gets no LSE gradient (None, not a zeros tensor): Delta is
+    formed as without ``return_lse``, at no extra cost."""
+    from jagged_attn import reference
 
-    def inspected(t):
-        raise AssertionError("the backward inspected an LSE gradient")
-
-    monkeypatch.setattr(ops, "values_unavailable", inspected)
+    seen = []
+    softmax_delta = reference.softmax_delta
+    monkeypatch.setattr(reference, "softmax_delta", lambda *args: seen.append(args[2]) or softmax_delta(*args))
     q, k, v, oq, ok = _inputs()
     leaves = [x.requires_grad_(True) for x in (q, k, v)]
     out, lse = ja.jagged_attention(*leaves, oq, ok, return_lse=True)
     out.sum().backward()
-    assert all(torch.isfinite(x.grad).all() for x in leaves)
+    assert seen == [None] and all(torch.isfinite(x.grad).all() for x in leaves)
 
 
 def test_auto_backend_on_cpu_is_reference():
@@ -377,7 +411,7 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 @pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
 def test_gpu_large_batches(batch, longest, heads, dim):
     """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
-    and backward through the public API (backend "auto" = triton on Hopper) on the whole batch,
+    and backward through the public API (backend "auto" = triton-fast on Hopper) on the whole batch,
     checked against the reference backend on the first and last 40 sequences (attention is per
     sequence). (Sizes bound the transposed copies, which pad every sequence to 128 tokens.)"""
     lengths = torch.randint(1, longest + 1, (batch,))

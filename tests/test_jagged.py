@@ -105,8 +105,16 @@ def test_fbgemm_pipeline_dense_to_jagged_quantize_attention_back_to_padded():
     out = ja.jagged_attention(q8, k8, v8, causal=True)
     padded = torch.ops.fbgemm.jagged_to_padded_dense(out.float().flatten(1), [offsets], [max_len], 0.0)
     assert padded.shape == (batch, max_len, heads * dim)
-    expected = ja.jagged_attention((jagged["q"], [offsets]), (jagged["k"], [offsets]), (jagged["v"], [offsets]),
-                                   causal=True)
+    expected, _ = ja.jagged_attention((jagged["q"], [offsets]), (jagged["k"], [offsets]), (jagged["v"], [offsets]),
+                                      causal=True)
     back = JaggedTensor.from_padded(padded.view(batch, max_len, heads, dim), lengths, use_fbgemm=True).values
     assert relative_l2(back, expected) < 1e-2  # bf16 output rounding only
     assert not padded[1].any() and not padded[0, 3:].any()  # padding rows stay zero
+
+
+def test_offsets_from_starts():
+    from jagged_attn.offsets import offsets_from_starts
+
+    starts = torch.tensor([False, False, True, True, False, False, True])  # the first token always starts one
+    assert offsets_from_starts(starts).tolist() == [0, 2, 3, 6, 7]
+    assert offsets_from_starts(torch.zeros(0, dtype=torch.bool)).tolist() == [0]

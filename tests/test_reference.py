@@ -24,8 +24,10 @@ def _inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, dtype=F64):
     return q, k, v, oq, ok
 
 
-def _check_exact(lengths_q, lengths_k, heads_q, heads_kv, dim, causal, scale=None):
-    """fp8=False in fp64 is exact attention: it must match the padded oracle to rounding, fwd + bwd."""
+def _check_exact(lengths_q, lengths_k, heads_q, heads_kv, dim, causal, scale=None, lse_gradient=False):
+    """fp8=False in fp64 is exact attention: it must match the padded oracle to rounding, fwd + bwd;
+    with ``lse_gradient`` the loss takes the LSE in as well (``dlse``, random on every row, also where
+    the LSE is -inf: those rows have no gradient to give)."""
     q, k, v, oq, ok = _inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     ref_out, ref_lse = padded_attention(*leaves, oq, ok, causal, scale)
@@ -35,9 +37,11 @@ def _check_exact(lengths_q, lengths_k, heads_q, heads_kv, dim, causal, scale=Non
     seen = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[seen], ref_lse.detach()[seen], rtol=1e-10, atol=1e-10)
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(ref_out, leaves, dout, allow_unused=True)
+    dlse = torch.randn_like(lse) if lse_gradient else None
+    outputs, grad_outputs = ((ref_out, ref_lse), (dout, dlse)) if lse_gradient else ((ref_out,), (dout,))
+    grads = torch.autograd.grad(outputs, leaves, grad_outputs, allow_unused=True)
     mine = reference_backward(dout, q, k, v, out, lse, oq, ok, causal=causal, softmax_scale=scale,
-                              compute_dtype=F64, fp8=False)
+                              compute_dtype=F64, fp8=False, dlse=dlse)
     for g_ref, g in zip(grads, mine):
         torch.testing.assert_close(g, torch.zeros_like(g) if g_ref is None else g_ref, rtol=1e-9, atol=1e-9)
 
@@ -60,9 +64,30 @@ def test_exact_long_sequence():
 
 @settings(max_examples=12, deadline=None)
 @given(pairs=st.lists(st.tuples(st.sampled_from(RAGGED + [200]), st.sampled_from(RAGGED + [200])), min_size=1,
-                      max_size=4), causal=st.booleans(), group=st.sampled_from([1, 2, 4]))
-def test_exact_property(pairs, causal, group):
-    _check_exact([p[0] for p in pairs], [p[1] for p in pairs], 4, 4 // group, 32, causal)
+                      max_size=4), causal=st.booleans(), group=st.sampled_from([1, 2, 4]), lse_gradient=st.booleans())
+def test_exact_property(pairs, causal, group, lse_gradient):
+    _check_exact([p[0] for p in pairs], [p[1] for p in pairs], 4, 4 // group, 32, causal, lse_gradient=lse_gradient)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_lse_gradient(causal):
+    """d lse_i / d s_ij = P_ij: the LSE's gradient (alone, and with O's) enters through Delta; exact in
+    fp64 against autograd of the padded oracle, with L_q > L_k (rows that see no key), GQA, a softmax scale."""
+    _check_exact([5, 40, 0, 33, 129, 7], [60, 3, 9, 0, 31, 7], 4, 2, 64, causal, scale=0.3, lse_gradient=True)
+
+
+def test_lse_gradient_alone_is_the_softmax_weighted_key_sum():
+    """With dO = 0 and dLSE = 1 on one row: dQ_i = scale * sum_j P_ij k_j, dK_j = scale * P_ij q_i, dV = 0."""
+    q, k, v, oq, ok = _inputs([3], [20], 1, 1, 32)
+    out, lse = reference_forward(q, k, v, oq, ok, softmax_scale=0.5, compute_dtype=F64, fp8=False)
+    dlse = torch.zeros_like(lse)
+    dlse[1] = 1.0
+    dq, dk, dv = reference_backward(torch.zeros_like(out), q, k, v, out, lse, oq, ok, softmax_scale=0.5,
+                                    compute_dtype=F64, fp8=False, dlse=dlse)
+    p = torch.softmax(0.5 * k[:, 0] @ q[1, 0], 0)
+    torch.testing.assert_close(dq[1, 0], 0.5 * p @ k[:, 0], rtol=1e-12, atol=1e-12)
+    assert not dq[[0, 2]].any() and not dv.any()
+    torch.testing.assert_close(dk[:, 0], 0.5 * p[:, None] * q[1, 0], rtol=1e-12, atol=1e-12)
 
 
 def test_padded_oracle_agrees_with_sdpa():

@@ -41,6 +41,8 @@ from jagged_attn.reference import reference_forward
 CHILD_TIMEOUT_S = 300
 EDGE_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 0, 300]
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton kernels run in the interpreter
+
 
 def run_child(code: str, *args, memory_gib: int | None = None) -> str:
     """``code`` in a fresh interpreter (optionally capped at ``memory_gib`` GiB of address space);
@@ -193,12 +195,14 @@ def test_outputs_saturate_instead_of_overflowing(dtype, causal):
     (fp16 65504 is stored as 65536, bf16 3.38e38 as 2^128, past float32 too), and the output cast
     gave inf. Every backend now clamps O to its dtype's finite range: V filled with +-max (a sign per
     channel) gives finite outputs near it, on the reference backend and on the interpreted Triton
-    forward (whose output casts to bf16 truncate: one bf16 unit apart at most)."""
+    forward (whose output casts to bf16 truncate: one bf16 unit apart at most); on a GPU, the Hopper
+    backend and the Gluon forward."""
     big = torch.finfo(dtype).max
     generator = torch.Generator().manual_seed(0)
     q, offsets = ragged([0, 1, 33, 70], heads=1, dtype=dtype, generator=generator)
     k = torch.randn(q.shape, generator=generator).to(dtype)
     v = (torch.where(torch.rand(1, 1, 64, generator=generator) < 0.5, -big, big) * torch.ones(q.shape)).to(dtype)
+    q, k, v, offsets = (t.to(DEVICE) for t in (q, k, v, offsets))
     out = ja.jagged_attention(q, k, v, offsets, causal=causal)
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     ratio = out.double() / v.double()  # each row's average of V, rounded: P's e4m3 rounding moves it

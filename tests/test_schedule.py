@@ -10,15 +10,17 @@ from jagged_attn.reference import visible_mask
 
 
 def _expected_tiles(len_rows, len_cols, block, causal, rows_are_queries):
-    """{(seq, tile): visible columns of the tile's most-seeing row}, by brute force on the mask."""
-    tiles = {}
+    """({(seq, tile): visible columns of the tile's most-seeing row}, [visible pairs of each sequence]),
+    by brute force on the mask."""
+    tiles, pairs = {}, []
     for b, (lr, lc) in enumerate(zip(len_rows, len_cols)):
         len_q, len_k = (lr, lc) if rows_are_queries else (lc, lr)
         mask = visible_mask(len_q, len_k, causal, "cpu")
+        pairs.append(int(mask.sum()))
         per_row = mask.sum(1) if rows_are_queries else mask.sum(0)
         for t in range(-(-lr // block)):
             tiles[(b, t)] = int(per_row[t * block:(t + 1) * block].max()) if len_q and len_k else 0
-    return tiles
+    return tiles, pairs
 
 
 EDGE_LENGTHS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 700]
@@ -28,7 +30,8 @@ lengths_strategy = st.lists(st.sampled_from(EDGE_LENGTHS), min_size=1, max_size=
 @settings(deadline=None, max_examples=40)
 @given(len_rows=lengths_strategy, len_cols=lengths_strategy, block=st.sampled_from([64, 128]),
        causal=st.booleans(), rows_are_queries=st.booleans(), dtype=st.sampled_from([torch.int32, torch.int64]))
-def test_work_list_covers_every_tile_longest_first(len_rows, len_cols, block, causal, rows_are_queries, dtype):
+def test_work_list_covers_every_tile_longest_sequence_and_tile_first(len_rows, len_cols, block, causal,
+                                                                    rows_are_queries, dtype):
     batch = min(len(len_rows), len(len_cols))
     len_rows, len_cols = len_rows[:batch], len_cols[:batch]
     offsets_rows = offsets_from_lengths(torch.tensor(len_rows)).to(dtype)
@@ -37,15 +40,15 @@ def test_work_list_covers_every_tile_longest_first(len_rows, len_cols, block, ca
     table = work_list(offsets_rows, offsets_cols, total, block, causal=causal, rows_are_queries=rows_are_queries)
     assert table.dtype == torch.int32 and table.shape == (tile_slots(total, batch, block), 2)
 
-    expected = _expected_tiles(len_rows, len_cols, block, causal, rows_are_queries)
+    expected, pairs = _expected_tiles(len_rows, len_cols, block, causal, rows_are_queries)
     used = table[:, 0] != EMPTY_SLOT
     assert int(used.sum()) == len(expected)
     assert bool(used[: len(expected)].all()), "unused slots must come last"
     assert bool((table[~used] == EMPTY_SLOT).all())
     listed = [tuple(row) for row in table[used].tolist()]
     assert sorted(listed) == sorted(expected)
-    ranked = [(-expected[item], item) for item in listed]
-    assert ranked == sorted(ranked), "most visible columns first, ties in sequence order"
+    ranked = [(-pairs[seq], seq, -expected[(seq, tile)], tile) for seq, tile in listed]
+    assert ranked == sorted(ranked), "sequences with the most pairs first, then their tiles by visible columns"
 
 
 def test_work_list_empty_batch_and_all_empty_sequences():
