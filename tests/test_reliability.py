@@ -408,12 +408,9 @@ def attention_case(data, corruption):
     out = expect_outcome(call, corruption, ATTENTION_CORRUPTIONS.get(corruption, ""))
     if out is None:
         return
-    if form == "jagged":  # the output comes in q's container
-        assert isinstance(out, ja.JaggedTensor)
-        out = out.values
-    elif form == "fbgemm":
-        assert isinstance(out, tuple) and len(out) == 2 and len(out[1]) == 1
-        out = out[0]
+    if form in ("jagged", "fbgemm"):  # out comes in q's kind of container
+        out, out_offsets = (out.values, out.offsets) if form == "jagged" else (out[0], out[1][0])
+        assert torch.equal(out_offsets, offsets_q)
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
     out_dtype = torch.bfloat16 if form == "mxfp8" else dtype
     want = reference_attention(*operands, offsets_q, offsets_k, causal, scale, out_dtype)
