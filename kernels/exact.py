@@ -1,4 +1,4 @@
-"""Spec-exact MXFP8 attention on ``tl.dot_scaled``, forward and backward (backend ``"exact"``).
+"""Spec-exact MXFP8 attention on ``tl.dot_scaled``, forward and backward (backend ``"block-scaled"``).
 
 Every GEMM takes its operands as e4m3 values plus E8M0 scales per 32 elements along K, read
 straight from the tiled jagged scale buffers of :class:`~jagged_attn.mxfp8.MXFP8Jagged` (the

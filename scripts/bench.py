@@ -1,7 +1,7 @@
 """Benchmark: our varlen MXFP8 attention against BF16 peers on one GPU, in one run.
 
-Ours: the public ``jagged_attention`` on bf16 inputs ("ours": backend ``triton``, "fast":
-``triton-fast``, the default on Hopper; value checks on, as a caller gets them), and the forward on
+Ours: the public ``jagged_attention`` on bf16 inputs ("ours": backend ``hopper-exact-scores``,
+"fast": ``hopper``, the default on Hopper; value checks on, as a caller gets them), and the forward on
 MXFP8 inputs quantized once beforehand ("ours mxfp8", "fast mxfp8": reused inputs, so their Hopper forms
 are built by the untimed first call and kept, as for a caller who quantizes once and attends many times).
 Peers, all BF16: FlashAttention-4
@@ -289,7 +289,7 @@ def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
 
 def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
     """Forward ms from MXFP8 inputs quantized once beforehand (``hopper_fwd.attention_forward``; "ours
-    mxfp8": exact S as backend ``triton``, "fast mxfp8": FP8 S as ``triton-fast``). With ``kernel`` also
+    mxfp8": exact S as backend ``hopper-exact-scores``, "fast mxfp8": FP8 S as ``hopper``). With ``kernel`` also
     the Gluon kernel alone ("ours kernel", "fast kernel") on Q, K, V rebased beforehand, and the rebase
     passes' ms; ``sweep_configs``: tile configurations of the Triton kernel (the one the CPU interpreter
     runs)."""
@@ -441,8 +441,8 @@ def flex_peer(w: Workload):
 
 
 PEERS = [  # (column, peer), in the order they run
-    ("ours", jagged_peer("triton")),
-    ("fast", jagged_peer("triton-fast")),
+    ("ours", jagged_peer("hopper-exact-scores")),
+    ("fast", jagged_peer("hopper")),
     ("fa4", fa4_peer),
     ("cudnn sdpa", cudnn_peer),
     ("varlen_attn", varlen_peer),

@@ -549,7 +549,7 @@ def exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale):
 # with deterministic=True its dQ kernel reads the same bf16 Q and K) on every input kind; variants whose S
 # comes from FP8 wgmma are only reported where that accumulation moves S too far (docs/perf-history.md v6): the
 # Triton kernel (kernel="triton", FP8 S promoted every 32 channels) on outlier channels (~0.1) and
-# heavy-tailed inputs (1-2e-2 measured, up to 6e-2 in the CPU model), backend triton-fast's FP8 S on both.
+# heavy-tailed inputs (1-2e-2 measured, up to 6e-2 in the CPU model), backend hopper's FP8 S on both.
 ACCURACY_VARIANTS = [  # (deterministic, config, kinds asserted)
     (False, dict(kernel="gluon", exact_scores=True), set(KINDS)),
     (True, dict(kernel="gluon", exact_scores=True), set(KINDS)),

@@ -431,7 +431,7 @@ def test_gpu_long_sequence_error_against_fp64_is_the_reference_backends(poisoned
 @pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
 def test_gpu_accuracy_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
-    """FP8 S (backend "triton-fast"): the issue's cosine bar (vs fp64 within 1e-4 of the reference's);
+    """FP8 S (backend "hopper"): the issue's cosine bar (vs fp64 within 1e-4 of the reference's);
     O within FP8_SCORES_O_TOLERANCE of the reference (the issue's 1e-2 in most draws); LSE within 1e-3
     plus FP8 wgmma's accumulation error of S (~13 bits of the row's score bound). The flat 1e-3 LSE bar
     is the default's (exact S, test below): FP8 S measured up to 1.3e-3 on Gaussian rows (H200, 2026-11-30)."""
@@ -476,7 +476,7 @@ FP32_SCORE_PRECISION = 2.0**-18  # exact products, fp32 sums: LSE error per unit
 @pytest.mark.parametrize("kind", ["gaussian", "outlier_channel", "heavy_tailed", "peaked"])
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
 def test_gpu_precise_scores_meet_the_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
-    """SCORES="bf16" (backend "triton", the default): O within 1e-2 of the reference and cosine within 1e-4
+    """SCORES="bf16" (backend "hopper-exact-scores"): O within 1e-2 of the reference and cosine within 1e-4
     of its on every kind; LSE within 1e-3 or, where |scores| reach the thousands, fp32's resolution."""
     run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="bf16")
     check_bounds(*run, O_TOLERANCE, COSINE_SLACK, FP32_SCORE_PRECISION)
