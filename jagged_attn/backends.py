@@ -127,9 +127,9 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward, None)
 _KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both)
-    "hopper": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}),
-    "hopper-exact-scores": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}),
-    "block-scaled": ("exact", "exact", {}),
+    "hopper": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "fp8"}),
+    "hopper-exact-scores": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "bf16"}),
+    "block-scaled": ("sm100.exact", "sm100.exact", {}),
 }
 HOPPER_BACKENDS = ("hopper", "hopper-exact-scores")
 

@@ -123,12 +123,12 @@ class JaggedAttention(nn.Module):
         if dtype != torch.bfloat16:
             return f"the producers compute in bfloat16, this layer in {dtype} (use bf16 parameters or autocast)"
         if not x.is_cuda:
-            from .kernels.interpreter import INTERPRETED
+            from .kernels.common.interpreter import INTERPRETED
 
             if not INTERPRETED:
                 return f"the producer kernels need CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}"
         if not self.qk_norm:  # the quantizing GEMM's own shape rules
-            from .kernels import linear_quantize
+            from .kernels.producers import linear_quantize
 
             try:
                 linear_quantize._check_head_dim(self.num_heads * self.head_dim, self.num_heads)

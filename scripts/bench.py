@@ -273,7 +273,8 @@ def quantized_inputs(w: Workload):
 def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
     """(the Gluon forward kernel as a call on Q, K, V rebased beforehand, the Q rebase, the K and V
     rebase) for ``hopper_fwd_ws.tile_config``-style ``config``; the call returns (out, lse)."""
-    from jagged_attn.kernels import hopper_fwd_ws, layout, rebase
+    from jagged_attn.kernels.common import layout
+    from jagged_attn.kernels.sm90 import hopper_fwd_ws, rebase
 
     exact = config["SCORES"] == "bf16"
     rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
@@ -293,7 +294,7 @@ def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
     the Gluon kernel alone ("ours kernel", "fast kernel") on Q, K, V rebased beforehand, and the rebase
     passes' ms; ``sweep_configs``: tile configurations of the Triton kernel (the one the CPU interpreter
     runs)."""
-    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, rebase
+    from jagged_attn.kernels.sm90 import hopper_fwd, hopper_fwd_ws, rebase
 
     mq, mk, mv = quantized_inputs(w)
     forward = dict(causal=w.causal, softmax_scale=w.scale)
@@ -553,7 +554,7 @@ def git_version():
         described = "unknown"
     digest = hashlib.sha256()
     root = os.path.dirname(here)
-    for folder in ("jagged_attn", "kernels"):
+    for folder in ("jagged_attn", "kernels", "kernels/common", "kernels/producers", "kernels/sm90", "kernels/sm100"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
             if name.endswith(".py"):
                 with open(os.path.join(root, folder, name), "rb") as source:

@@ -54,7 +54,7 @@ def profile_step(w: Workload) -> None:
 
 
 def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -> None:
-    from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws
+    from jagged_attn.kernels.sm90 import hopper_bwd, hopper_bwd_ws
 
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
@@ -82,7 +82,7 @@ def main():
     parser.add_argument("--fp8-scores", action="store_true", help="S and dP from FP8 copies (backend hopper)")
     parser.add_argument("--workloads", nargs="*", help="names of bench.py workloads (default: all)")
     args = parser.parse_args()
-    from jagged_attn.kernels import hopper_bwd_ws
+    from jagged_attn.kernels.sm90 import hopper_bwd_ws
 
     print("kernels from", hopper_bwd_ws.__file__)
     for name, lengths, heads, causal, dense in WORKLOADS:

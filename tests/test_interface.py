@@ -165,7 +165,7 @@ def test_kernel_backends_refuse_cpu_without_interpreter(monkeypatch):
 
 def test_backends_pick_the_backward_scores(monkeypatch):
     """``hopper-exact-scores`` asks hopper_bwd for exact S (bf16 MMA), ``hopper`` for FP8 S, as their forwards."""
-    from jagged_attn.kernels import hopper_bwd
+    from jagged_attn.kernels.sm90 import hopper_bwd
 
     calls = []
     monkeypatch.setattr(hopper_bwd, "attention_backward", lambda *args, **kwargs: calls.append(kwargs))

@@ -11,9 +11,9 @@ import torch
 
 import jagged_attn as ja
 from jagged_attn import mxfp8
-from jagged_attn.kernels import hopper_fwd
-from jagged_attn.kernels.linear_quantize import linear_quantize
-from jagged_attn.kernels.rmsnorm_quantize import rms_norm_quantize
+from jagged_attn.kernels.sm90 import hopper_fwd
+from jagged_attn.kernels.producers.linear_quantize import linear_quantize
+from jagged_attn.kernels.producers.rmsnorm_quantize import rms_norm_quantize
 from jagged_attn.offsets import offsets_from_lengths
 
 CHILD_TIMEOUT_S = 300

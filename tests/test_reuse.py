@@ -1,4 +1,4 @@
-"""Derived tensors kept across calls (``kernels/reuse.py``): reused only for the same, unwritten
+"""Derived tensors kept across calls (``kernels/common/reuse.py``): reused only for the same, unwritten
 sources; rebuilt after any write torch sees; never kept for inference tensors; dropped with their source."""
 
 import gc
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import jagged_attn as ja
-from jagged_attn.kernels import rebase, reuse
-from jagged_attn.kernels.schedule import tile_list, work_list
+from jagged_attn.kernels.common import reuse
+from jagged_attn.kernels.sm90 import rebase
+from jagged_attn.kernels.common.schedule import tile_list, work_list
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, sequence_ids
 from jagged_attn.reference import reference_forward
 

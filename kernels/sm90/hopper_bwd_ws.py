@@ -58,9 +58,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import layout
-from .schedule import work_list
-from .tma import operand_descriptor
+from ..common import layout
+from ..common.schedule import work_list
+from ..common.tma import operand_descriptor
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
