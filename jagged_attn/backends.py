@@ -12,14 +12,22 @@ Every backend offers the same three entry points:
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward; ``dlse`` (fp32 ``[total_q, Hq]``,
   zero where the LSE is -inf) is the gradient of the LSE, None where it has none.
 
-``reference`` is the spec in plain torch (any device); ``triton`` is the Hopper (sm_90) path,
-with S = QK^T exact in the forward and S and dP = dO V^T exact in the backward (bf16 MMAs on the
-MX values: O within ~4e-3 and gradients within ~5e-3 of the reference on every input kind,
-docs/perf-history.md); ``triton-fast`` is the same with S and dP from FP8 wgmma, whose reduced-precision
-accumulation puts O 1-4e-2 and the gradients 2e-2 to 2e-1 from the reference where scores are
-large (outlier channels, heavy-tailed norms, peaked attention), for 1.1x the forward's and
-1.1-1.2x the backward's speed at head_dim 128; ``exact`` is the spec-exact ``tl.dot_scaled`` path
-(native block-scaled MMA on sm_100+).
+``reference`` is the spec in plain torch (any device). The kernel backends are named for the
+hardware path they run:
+
+* ``hopper`` (what ``auto`` picks on sm_90): the Hopper Gluon kernels with every GEMM in FP8 wgmma,
+  S and dP included, whose reduced-precision accumulation puts O 1-4e-2 and the gradients 2e-2 to
+  2e-1 from the reference where scores are large (outlier channels, heavy-tailed norms, peaked
+  attention);
+* ``hopper-exact-scores``: the same kernels with S = QK^T (and the backward's dP = dO V^T) exact
+  from bf16 wgmma on the MX values: O within ~4e-3 and gradients within ~5e-3 of the reference on
+  every input kind (docs/perf-history.md), at ~0.9x the forward's and 0.8-0.9x the backward's speed
+  at head_dim 128;
+* ``block-scaled``: the spec-exact ``tl.dot_scaled`` kernels (native block-scaled MMA on sm_100+,
+  emulated by Triton on sm_90).
+
+The names of the previous release (``triton``, ``triton-fast``, ``exact``) still resolve, with a
+DeprecationWarning (``DEPRECATED_NAMES``).
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from .mx_format import saturating_cast
 from .mxfp8 import checked_after, largest_magnitudes, quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
-BACKENDS = ("auto", "reference", "triton", "triton-fast", "exact")
+BACKENDS = ("auto", "reference", "hopper", "hopper-exact-scores", "block-scaled")
+# The previous release's names: resolved with a DeprecationWarning until the next release drops them.
+DEPRECATED_NAMES = {"triton": "hopper-exact-scores", "triton-fast": "hopper", "exact": "block-scaled"}
 
 
 @dataclass(frozen=True)
@@ -117,11 +127,11 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward, None)
 _KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both)
-    "triton": ("hopper_fwd", "hopper_bwd", {"scores": "bf16"}),
-    "triton-fast": ("hopper_fwd", "hopper_bwd", {"scores": "fp8"}),
-    "exact": ("exact", "exact", {}),
+    "hopper": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "fp8"}),
+    "hopper-exact-scores": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "bf16"}),
+    "block-scaled": ("sm100.exact", "sm100.exact", {}),
 }
-HOPPER_BACKENDS = ("triton", "triton-fast")
+HOPPER_BACKENDS = ("hopper", "hopper-exact-scores")
 
 
 def _interpreting() -> bool:
@@ -137,9 +147,9 @@ def check_kernel_device(name: str, device: torch.device) -> None:
     if device.type == "cuda":
         major = torch.cuda.get_device_capability(device)[0]
         if name in HOPPER_BACKENDS and major != 9:
-            raise ValueError(f"backend={name!r} is a Hopper (sm_90) path; this GPU is sm_{major}0: use 'exact'")
-        if name == "exact" and major < 9:
-            raise ValueError(f"backend='exact' needs sm_90 or newer; this GPU is sm_{major}0")
+            raise ValueError(f"backend={name!r} is a Hopper (sm_90) path; this GPU is sm_{major}0: use 'block-scaled'")
+        if name == "block-scaled" and major < 9:
+            raise ValueError(f"backend='block-scaled' needs sm_90 or newer; this GPU is sm_{major}0")
         return
     if device.type == "cpu" and _interpreting():
         return  # the Triton CPU interpreter (tests)
@@ -156,7 +166,7 @@ def check_head_dim(name: str, head_dim: int) -> None:
 # Run, not traced, under torch.compile: the warning is a side effect dynamo cannot trace.
 @torch.compiler.assume_constant_result
 def auto_backend_name(device: torch.device) -> str:
-    """``triton-fast`` on Hopper, ``exact`` on Blackwell and newer, ``reference`` elsewhere: quietly on
+    """``hopper`` on Hopper, ``block-scaled`` on Blackwell and newer, ``reference`` elsewhere: quietly on
     CPU, on other CUDA GPUs with a UserWarning (once per process for each sm).
 
     On Hopper, S and dP from FP8 wgmma are as close to exact attention (fp64, unquantized inputs) as
@@ -165,9 +175,9 @@ def auto_backend_name(device: torch.device) -> str:
         return "reference"
     major, minor = torch.cuda.get_device_capability(device)
     if major == 9:
-        return "triton-fast"
+        return "hopper"
     if major >= 10:
-        return "exact"
+        return "block-scaled"
     _warn_reference_on_gpu(f"sm_{major}{minor}")
     return "reference"
 
@@ -179,8 +189,28 @@ def _warn_reference_on_gpu(sm: str) -> None:
                   "Pass backend='reference' to choose it without this warning.", UserWarning, stacklevel=4)
 
 
+# Run, not traced, under torch.compile, as auto_backend_name: the warning is a side effect.
+@torch.compiler.assume_constant_result
+def backend_name(name: str) -> str:
+    """The backend ``name`` means: itself for a name in ``BACKENDS``, the new name for a deprecated one
+    (with a DeprecationWarning, once per process for each name); ValueError for any other."""
+    if name in DEPRECATED_NAMES:
+        _warn_deprecated_name(name)
+        return DEPRECATED_NAMES[name]
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_deprecated_name(name: str) -> None:
+    warnings.warn(f"backend={name!r} is deprecated and will be removed in the next release: it is now called "
+                  f"{DEPRECATED_NAMES[name]!r}", DeprecationWarning, stacklevel=4)
+
+
 @functools.lru_cache(maxsize=None)
 def get_backend(name: str) -> Backend:
+    """The backend called ``name`` (a name of ``BACKENDS`` other than ``auto``)."""
     if name == "reference":
         return _REFERENCE
     if name not in _KERNEL_BACKENDS:

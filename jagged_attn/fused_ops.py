@@ -2,11 +2,11 @@
 
 * ``jagged_attn::linear_quantize``: ``y = x @ weight.T (+ bias)`` as bf16 ``[total, H, D]`` plus
   its feature-axis MXFP8 (data, tiled scales) and a NaN/Inf flag from the GEMM's epilogue
-  (``kernels/linear_quantize.py``). Differentiable in x, weight, bias through ``y``: the ordinary
+  (``kernels/producers/linear_quantize.py``). Differentiable in x, weight, bias through ``y``: the ordinary
   linear gradients, in torch.
 * ``jagged_attn::rms_norm_quantize``: RMSNorm over D of ``x [total, H, D]`` as (normalized, rstd)
   plus the normalized values' feature-axis MXFP8 and a NaN/Inf flag, from one read of ``x``
-  (``kernels/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
+  (``kernels/producers/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
   RMSNorm gradients from the saved rstd (torch's fused RMSNorm backward kernel on CUDA).
 * ``jagged_attn::prequantized_attention``: attention whose Q and K arrive quantized (data +
   tiled scales, e.g. from the two ops above) next to their high-precision copies; V arrives in
@@ -52,7 +52,7 @@ def linear_quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales,
     the NaN/Inf flag of y)."""
-    from .kernels.linear_quantize import linear_quantize
+    from .kernels.producers.linear_quantize import linear_quantize
 
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
     with on_device_of(x):
@@ -96,7 +96,7 @@ def rms_norm_quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [total, H, D]``, ``weight [D]`` -> (normalized like x, rstd fp32 ``[total, H]``, e4m3 data, e8m0 scales,
     the NaN/Inf flag of the normalized values)."""
-    from .kernels.rmsnorm_quantize import rms_norm_quantize
+    from .kernels.producers.rmsnorm_quantize import rms_norm_quantize
 
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
     with on_device_of(x):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import ops
-from .backends import BACKENDS, auto_backend_name, check_head_dim, check_kernel_device
+from .backends import auto_backend_name, backend_name, check_head_dim, check_kernel_device
 from .jagged import split_heads, unpack_jagged
 from .mxfp8 import MXFP8Jagged, check_values
 from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
@@ -108,13 +108,15 @@ def jagged_attention(
         causal: bottom-right aligned: query i of a sequence sees keys ``j <= i + L_k - L_q``.
             Rows that see no key give 0 (and LSE = -inf).
         softmax_scale: defaults to ``1/sqrt(D)``.
-        backend: ``"auto"`` (triton-fast on Hopper, exact on Blackwell, reference elsewhere),
-            ``"reference"``, ``"triton-fast"`` (Hopper, every GEMM in FP8 wgmma),
-            ``"triton"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.9x the speed,
-            closer to the reference backend but not to exact attention) or ``"exact"``.
+        backend: ``"auto"`` (hopper on Hopper, block-scaled on Blackwell, reference elsewhere),
+            ``"reference"``, ``"hopper"`` (Hopper, every GEMM in FP8 wgmma),
+            ``"hopper-exact-scores"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.9x
+            the speed, closer to the reference backend but not to exact attention) or
+            ``"block-scaled"`` (spec-exact ``tl.dot_scaled``). The old names ``"triton"``,
+            ``"triton-fast"``, ``"exact"`` still work, with a DeprecationWarning.
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``, differentiable like
             ``out`` (for :func:`jagged_attn.merge_attention`, ring / context-parallel attention).
-        deterministic: bit-identical gradients run to run (the ``triton`` backward then forms dQ
+        deterministic: bit-identical gradients run to run (the Hopper backward then forms dQ
             in a kernel of its own instead of adding partials in L2: 1.4-1.7x the backward's
             time on an H200, dense d128).
         v_scaling: ``"sequence"`` (MX blocks of 32 tokens, the GEMM's reduction axis) or
@@ -136,8 +138,7 @@ def jagged_attention(
     q, offsets_q, pack = _unpack(q, offsets_q, "q")
     k, offsets_k, _ = _unpack(k, offsets_k, "k")
     v, offsets_v, _ = _unpack(v, None, "v")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = backend_name(backend)
     if v_scaling not in V_AXES:
         raise ValueError(f"v_scaling must be one of {tuple(V_AXES)}, got {v_scaling!r}")
     v_axis = V_AXES[v_scaling]

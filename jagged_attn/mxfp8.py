@@ -267,7 +267,7 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     ``axis="sequence"`` along each sequence's tokens (for V in O = PV). ``compile=True`` runs the
     element work through ``torch.compile`` (one fused pass, about 10x faster on large CPU inputs,
     bit-identical; the first call compiles). CUDA tensors always go through the fused Triton kernel
-    (``kernels/quantize.py``, bit-identical). Raises ValueError/TypeError on bad input before any work.
+    (``kernels/producers/quantize.py``, bit-identical). Raises ValueError/TypeError on bad input before any work.
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
@@ -317,7 +317,7 @@ def _quantize_axes(values, offsets, axes, rounding, compile, nonfinite=None, *, 
 
 def _quantize_with_kernel(x, offsets, axes, rounding, nonfinite):
     """CUDA tensors: the fused one-pass Triton kernel (bit-identical to the torch reference below)."""
-    from .kernels.quantize import quantize_mxfp8_kernel  # imported here: the kernels import this module
+    from .kernels.producers.quantize import quantize_mxfp8_kernel  # imported here: the kernels import this module
 
     flag = torch.zeros(1, dtype=torch.float32, device=x.device) if nonfinite is None else nonfinite
     with on_device_of(x):

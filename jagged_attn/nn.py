@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from . import fused_ops
-from .backends import BACKENDS, HOPPER_BACKENDS, auto_backend_name, check_head_dim
+from .backends import HOPPER_BACKENDS, auto_backend_name, backend_name, check_head_dim
 from .interface import check_offsets_pair, jagged_attention, resolve_softmax_scale
 from .offsets import skip_value_check
 
@@ -23,7 +23,7 @@ class JaggedAttention(nn.Module):
     MXFP8 the attention reads (the Q/K projection GEMMs quantize in their epilogue, or with
     ``qk_norm`` the RMSNorm kernels do), so the attention does not quantize Q and K again; the
     backward still runs on their bf16 copies (quantization is straight-through). ``None`` (auto)
-    fuses on CUDA with the Hopper backends (``triton``, ``triton-fast``) when the layer computes
+    fuses on CUDA with the Hopper backends (``hopper``, ``hopper-exact-scores``) when the layer computes
     in bf16 (bf16 parameters or bf16 autocast) and the shapes fit the producers (head_dim 32, 64 or
     a multiple of 128 and in-features a multiple of 8 without ``qk_norm``); ``True`` insists (a
     ``ValueError`` where it cannot), ``False`` keeps ``nn.Linear`` / ``nn.RMSNorm`` and lets the
@@ -41,11 +41,10 @@ class JaggedAttention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if head_dim % 32:
             raise ValueError(f"head_dim ({head_dim}) must be a multiple of 32 (the MX block size)")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = dim, num_heads, num_kv_heads, head_dim
         self.kv_dim = dim if kv_dim is None else kv_dim
-        self.causal, self.qk_norm, self.softmax_scale, self.backend = causal, qk_norm, softmax_scale, backend
+        self.causal, self.qk_norm, self.softmax_scale = causal, qk_norm, softmax_scale
+        self.backend = backend_name(backend)
         self.fused_producers = fused_producers
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias, **factory)
@@ -124,12 +123,12 @@ class JaggedAttention(nn.Module):
         if dtype != torch.bfloat16:
             return f"the producers compute in bfloat16, this layer in {dtype} (use bf16 parameters or autocast)"
         if not x.is_cuda:
-            from .kernels.interpreter import INTERPRETED
+            from .kernels.common.interpreter import INTERPRETED
 
             if not INTERPRETED:
                 return f"the producer kernels need CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}"
         if not self.qk_norm:  # the quantizing GEMM's own shape rules
-            from .kernels import linear_quantize
+            from .kernels.producers import linear_quantize
 
             try:
                 linear_quantize._check_head_dim(self.num_heads * self.head_dim, self.num_heads)

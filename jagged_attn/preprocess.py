@@ -291,7 +291,7 @@ def preprocess_file(
             first chunk pays a few seconds of compilation). Default: only for inputs of more than
             ``COMPILE_MIN_VALUES`` values.
         device: where chunks are quantized: ``"cuda"`` runs the fused Triton quantize kernel
-            (``jagged_attn.kernels.quantize``, bit-identical to the CPU path); files are read and
+            (``jagged_attn.kernels.producers.quantize``, bit-identical to the CPU path); files are read and
             written on the host either way.
         overwrite: replace an existing ``output_path`` (``FileExistsError`` otherwise).
 

@@ -8,7 +8,7 @@ a tile, the byte of (row r, column c) sits at ``(r % 32) * 16 + (r // 32) * 4 + 
 The offset functions use only ``%``, ``//``, ``*`` and ``+`` on non-negative integers, so the
 same source serves Python ints, torch tensors and (wrapped with ``triton.jit``) Triton kernels.
 Triton functions cannot read module globals, hence the literal numbers inside them;
-``jagged_attn.kernels.layout`` holds their Triton versions.
+``jagged_attn.kernels.common.layout`` holds their Triton versions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""GPU kernels (Triton), imported as ``jagged_attn.kernels``; one module per kernel family.
+"""GPU kernels (Triton and Gluon), imported as ``jagged_attn.kernels``, by architecture and role:
+``sm90`` (Hopper attention), ``sm100`` (block-scaled attention), ``producers`` (the MXFP8 operands'
+kernels), ``common`` (what they share).
 
-Importing the package mends Triton's CPU interpreter (``interpreter``) before any kernel runs in it.
+Importing the package mends Triton's CPU interpreter (``common.interpreter``) before any kernel runs in it.
 """
 
-from . import interpreter  # noqa: F401
+from .common import interpreter  # noqa: F401

@@ -1,7 +1,7 @@
 """Benchmark: our varlen MXFP8 attention against BF16 peers on one GPU, in one run.
 
-Ours: the public ``jagged_attention`` on bf16 inputs ("ours": backend ``triton``, "fast":
-``triton-fast``, the default on Hopper; value checks on, as a caller gets them), and the forward on
+Ours: the public ``jagged_attention`` on bf16 inputs ("ours": backend ``hopper-exact-scores``,
+"fast": ``hopper``, the default on Hopper; value checks on, as a caller gets them), and the forward on
 MXFP8 inputs quantized once beforehand ("ours mxfp8", "fast mxfp8": reused inputs, so their Hopper forms
 are built by the untimed first call and kept, as for a caller who quantizes once and attends many times).
 Peers, all BF16: FlashAttention-4
@@ -273,7 +273,8 @@ def quantized_inputs(w: Workload):
 def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
     """(the Gluon forward kernel as a call on Q, K, V rebased beforehand, the Q rebase, the K and V
     rebase) for ``hopper_fwd_ws.tile_config``-style ``config``; the call returns (out, lse)."""
-    from jagged_attn.kernels import hopper_fwd_ws, layout, rebase
+    from jagged_attn.kernels.common import layout
+    from jagged_attn.kernels.sm90 import hopper_fwd_ws, rebase
 
     exact = config["SCORES"] == "bf16"
     rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
@@ -289,11 +290,11 @@ def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
 
 def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
     """Forward ms from MXFP8 inputs quantized once beforehand (``hopper_fwd.attention_forward``; "ours
-    mxfp8": exact S as backend ``triton``, "fast mxfp8": FP8 S as ``triton-fast``). With ``kernel`` also
+    mxfp8": exact S as backend ``hopper-exact-scores``, "fast mxfp8": FP8 S as ``hopper``). With ``kernel`` also
     the Gluon kernel alone ("ours kernel", "fast kernel") on Q, K, V rebased beforehand, and the rebase
     passes' ms; ``sweep_configs``: tile configurations of the Triton kernel (the one the CPU interpreter
     runs)."""
-    from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, rebase
+    from jagged_attn.kernels.sm90 import hopper_fwd, hopper_fwd_ws, rebase
 
     mq, mk, mv = quantized_inputs(w)
     forward = dict(causal=w.causal, softmax_scale=w.scale)
@@ -441,8 +442,8 @@ def flex_peer(w: Workload):
 
 
 PEERS = [  # (column, peer), in the order they run
-    ("ours", jagged_peer("triton")),
-    ("fast", jagged_peer("triton-fast")),
+    ("ours", jagged_peer("hopper-exact-scores")),
+    ("fast", jagged_peer("hopper")),
     ("fa4", fa4_peer),
     ("cudnn sdpa", cudnn_peer),
     ("varlen_attn", varlen_peer),
@@ -553,7 +554,7 @@ def git_version():
         described = "unknown"
     digest = hashlib.sha256()
     root = os.path.dirname(here)
-    for folder in ("jagged_attn", "kernels"):
+    for folder in ("jagged_attn", "kernels", "kernels/common", "kernels/producers", "kernels/sm90", "kernels/sm100"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
             if name.endswith(".py"):
                 with open(os.path.join(root, folder, name), "rb") as source:

@@ -2,11 +2,11 @@
 
 On ``bench.py``'s workloads (head_dim 128):
 
-* ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``triton``,
+* ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``hopper-exact-scores``,
   forward + backward through autograd; ``torch.profiler`` over five steps), largest first;
 * otherwise: the Gluon backward kernel alone (``hopper_bwd_ws.launch``, the producers run once
   beforehand), with dQ accumulated or not (``--no-dq``), on the exact path or with FP8 S and dP
-  (``--fp8-scores``: backend ``triton-fast``'s), as median ms and TFLOP/s, with the sums of
+  (``--fp8-scores``: backend ``hopper``'s), as median ms and TFLOP/s, with the sums of
   ``|dQ|``, ``|dK|``, ``|dV|`` so that two versions' outputs can be compared.
 
 To compare two versions side by side, run it twice in one device call, the second time on the other
@@ -34,7 +34,7 @@ def profile_step(w: Workload) -> None:
 
     def step():
         out = jagged_attention(*leaves, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                               backend="triton")
+                               backend="hopper-exact-scores")
         torch.autograd.grad(out, leaves, w.dout)
 
     for _ in range(3):
@@ -54,7 +54,7 @@ def profile_step(w: Workload) -> None:
 
 
 def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -> None:
-    from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws
+    from jagged_attn.kernels.sm90 import hopper_bwd, hopper_bwd_ws
 
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
@@ -79,10 +79,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="time per kernel of a training step")
     parser.add_argument("--no-dq", action="store_true", help="the backward kernel without dQ")
-    parser.add_argument("--fp8-scores", action="store_true", help="S and dP from FP8 copies (triton-fast)")
+    parser.add_argument("--fp8-scores", action="store_true", help="S and dP from FP8 copies (backend hopper)")
     parser.add_argument("--workloads", nargs="*", help="names of bench.py workloads (default: all)")
     args = parser.parse_args()
-    from jagged_attn.kernels import hopper_bwd_ws
+    from jagged_attn.kernels.sm90 import hopper_bwd_ws
 
     print("kernels from", hopper_bwd_ws.__file__)
     for name, lengths, heads, causal, dense in WORKLOADS:

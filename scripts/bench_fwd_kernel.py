@@ -20,7 +20,7 @@ from bench import WORKLOAD_SETS, Workload, forward_kernel_alone, median_ms, quan
 
 
 def time_forward_kernel(w: Workload, scores: str, overrides: dict, label: str) -> None:
-    from jagged_attn.kernels import hopper_fwd_ws
+    from jagged_attn.kernels.sm90 import hopper_fwd_ws
 
     config = {**hopper_fwd_ws.tile_config(w.dim, scores), **overrides}
     kernel, _, _ = forward_kernel_alone(w, *quantized_inputs(w), config)

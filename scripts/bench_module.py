@@ -63,8 +63,8 @@ def main():
     rows = []
     for causal in (False, True):
         for qk_norm in (False, True):
-            layer = JaggedAttention(DIM, HEADS, head_dim=HEAD_DIM, causal=causal, qk_norm=qk_norm, backend="triton",
-                                    device="cuda", dtype=torch.bfloat16)
+            layer = JaggedAttention(DIM, HEADS, head_dim=HEAD_DIM, causal=causal, qk_norm=qk_norm,
+                                    backend="hopper-exact-scores", device="cuda", dtype=torch.bfloat16)
             twin = VarlenBf16Twin(layer, int(lengths.max()))
             x = torch.randn(total, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             dout = torch.randn(total, DIM, device="cuda", dtype=torch.bfloat16)

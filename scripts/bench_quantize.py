@@ -1,4 +1,4 @@
-"""Benchmark: the fused jagged MXFP8 quantizer (kernels/quantize.py), every launch configuration,
+"""Benchmark: the fused jagged MXFP8 quantizer (kernels/producers/quantize.py), every launch configuration,
 against a device copy of the same input in the same run.
 
 Input: bf16 ``values [tokens, heads, dim]`` (2 GiB by default) in ragged sequences (fixed seed). For
@@ -21,7 +21,7 @@ import argparse
 import torch
 import triton
 from bench_rmsnorm_quantize import median_ms, nbytes, ragged_offsets
-from jagged_attn.kernels import quantize as qk
+from jagged_attn.kernels.producers import quantize as qk
 
 from jagged_attn.mxfp8 import AXES
 

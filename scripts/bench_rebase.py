@@ -1,4 +1,4 @@
-"""Benchmark: the Hopper forward's rebasing producers (kernels/rebase.py) against a device copy.
+"""Benchmark: the Hopper forward's rebasing producers (kernels/sm90/rebase.py) against a device copy.
 
 For bf16 K and V ``[tokens, heads, dim]`` in four batches of the same token count (dense 8
 sequences, one long sequence, ragged lengths up to 4096, 256-token sequences) it times, as ``hopper_fwd_ws`` calls them:
@@ -26,7 +26,7 @@ import torch
 import triton
 from bench_rmsnorm_quantize import copy_ms, median_ms, nbytes, ragged_offsets
 from jagged_attn import quantize_mxfp8
-from jagged_attn.kernels import rebase
+from jagged_attn.kernels.sm90 import rebase
 
 BLOCK_N = 128  # the Gluon forward's KV tile: one K exponent per tile
 

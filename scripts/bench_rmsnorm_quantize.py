@@ -1,4 +1,4 @@
-"""Benchmark: fused RMSNorm + MXFP8 quantize (kernels/rmsnorm_quantize.py), every launch configuration,
+"""Benchmark: fused RMSNorm + MXFP8 quantize (kernels/producers/rmsnorm_quantize.py), every launch configuration,
 against a device copy of the same bytes in the same run.
 
 Input: bf16 ``x [total, H, D]`` of at least 1 GiB in ragged sequences (fixed seed). For each set of
@@ -24,8 +24,8 @@ import time
 
 import torch
 import triton.testing
-from jagged_attn.kernels import quantize as qk
-from jagged_attn.kernels import rmsnorm_quantize as rq
+from jagged_attn.kernels.producers import quantize as qk
+from jagged_attn.kernels.producers import rmsnorm_quantize as rq
 
 from jagged_attn.mxfp8 import AXES
 from jagged_attn.offsets import offsets_from_lengths

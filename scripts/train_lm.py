@@ -8,11 +8,11 @@ the documents: attention never crosses one). The model: byte embedding, ``--laye
 MLP], tied output head; AdamW with warm-up and cosine decay, float32 weights, bf16 matmuls on CUDA.
 Every ``--attn`` choice starts from the same initial weights and sees the same batches:
 
-* one of our backends (``triton``, ``triton-fast``, ``exact``, ``reference``): ``jagged_attention``;
+* one of our backends (``hopper``, ``hopper-exact-scores``, ``block-scaled``, ``reference``): ``jagged_attention``;
 * ``varlen``: torch ``varlen_attn`` in bf16 (FlashAttention-2);
 * ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` in bf16, where it imports.
 
-    python3 scripts/train_lm.py --attn triton-fast fa4 [--qk-norm] [--steps 500] --out OUT_DIR
+    python3 scripts/train_lm.py --attn hopper fa4 [--qk-norm] [--steps 500] --out OUT_DIR
 
 Prints the loss table (train loss, validation loss, median step time) last, writes ``train_lm.json``
 and, with matplotlib, ``train_lm.png`` (loss curves).
@@ -230,7 +230,7 @@ def plot(runs, path, title):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--attn", nargs="+", default=["triton-fast", "varlen"])
+    parser.add_argument("--attn", nargs="+", default=["hopper", "varlen"])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=1024)

@@ -1,4 +1,4 @@
-"""The spec-exact ``tl.dot_scaled`` path (``jagged_attn.kernels.exact``).
+"""The spec-exact ``tl.dot_scaled`` path (``jagged_attn.kernels.sm100.exact``).
 
 * CPU, in CI: every kernel compiles for sm_100 to ``tcgen05.mma ... kind::mxf8f6f4.block_scale``
   with no bf16 upcast of its fp8 operands, and builds for sm_90 (where Triton emulates it).
@@ -14,12 +14,13 @@ import torch
 import triton
 from compile_util import compile_ptx
 
-from jagged_attn.kernels import exact, fp8
+from jagged_attn.kernels.common import fp8
+from jagged_attn.kernels.sm100 import exact
 from jagged_attn.mxfp8 import quantize_mxfp8, scale_col_tiles
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.reference import reference_backward, reference_forward
 
-MODULE = "jagged_attn.kernels.exact"
+MODULE = "jagged_attn.kernels.sm100.exact"
 # (kernel, dot_scaled call sites, BLOCK_M)
 KERNELS = [
     ("forward_kernel", 3, exact.BLOCK_M),
@@ -46,7 +47,7 @@ needs_dot_scaled_interpreter = pytest.mark.skipif(
 
 
 def signature(kernel: str, constexprs: dict) -> dict:
-    """Triton types of ``kernel``'s arguments, by naming convention of kernels/exact.py."""
+    """Triton types of ``kernel``'s arguments, by naming convention of kernels/sm100/exact.py."""
     types = {}
     for name in getattr(exact, kernel).arg_names:
         if name in constexprs:

@@ -1,4 +1,4 @@
-"""Tests of the Hopper MXFP8 attention backward (``kernels/hopper_bwd.py``).
+"""Tests of the Hopper MXFP8 attention backward (``kernels/sm90/hopper_bwd.py``).
 
 CPU: the Triton interpreter on tiny ragged shapes against ``reference_backward``; an sm_90 compile
 check for FP8 wgmma. GPU (``-m gpu``): accuracy on realistic shapes and input families, and timings
@@ -14,11 +14,12 @@ import re
 import pytest
 import torch
 
-from jagged_attn.kernels import hopper_bwd, hopper_bwd_ws, layout
+from jagged_attn.kernels.common import layout
+from jagged_attn.kernels.sm90 import hopper_bwd, hopper_bwd_ws
 from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.mxfp8 import quantize_mxfp8
-from jagged_attn.kernels.schedule import slot_tiles, tile_list
+from jagged_attn.kernels.common.schedule import slot_tiles, tile_list
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.reference import reference_backward, reference_forward
 
@@ -172,7 +173,7 @@ def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
                     else "*bf16" if n in ("dk_ptr", "dv_ptr") else "*i32" if n.startswith("offsets") else "*fp32")
                 for n in names if n.endswith("_ptr")}
     pointers.update(softmax_scale="fp32", dq_desc="tensordesc<fp32[64,128]>")
-    ptx = compile_ptx("jagged_attn.kernels.hopper_bwd", "_dkdv_kernel", _signature(names, pointers, constexprs),
+    ptx = compile_ptx("jagged_attn.kernels.sm90.hopper_bwd", "_dkdv_kernel", _signature(names, pointers, constexprs),
                       constexprs, arch=90, num_warps=8)
     assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ tiles added by TMA
@@ -484,7 +485,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
                       **hopper_bwd_ws.tile_config(dim))
     signature.update({name: "constexpr" for name in constexprs})
-    ptx, shared = compile_kernel("jagged_attn.kernels.hopper_bwd_ws", "_attention_backward_kernel", signature,
+    ptx, shared = compile_kernel("jagged_attn.kernels.sm90.hopper_bwd_ws", "_attention_backward_kernel", signature,
                                  constexprs, arch=90, gluon=True)
     assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
@@ -523,7 +524,7 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
         pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*bf16", sequence_ptr="*fp8e4nv",
                         offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
-        ptx = compile_ptx("jagged_attn.kernels.hopper_bwd", kernel, _signature(names, pointers, constexprs),
+        ptx = compile_ptx("jagged_attn.kernels.sm90.hopper_bwd", kernel, _signature(names, pointers, constexprs),
                           constexprs, arch=90, num_warps=warps,
                           aligned=[n for n in names if n.endswith("_ptr") or n == "padded"])  # padded: 128k
         report = ptxas_report(ptx, 90)
@@ -549,7 +550,7 @@ def exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale):
 # with deterministic=True its dQ kernel reads the same bf16 Q and K) on every input kind; variants whose S
 # comes from FP8 wgmma are only reported where that accumulation moves S too far (docs/perf-history.md v6): the
 # Triton kernel (kernel="triton", FP8 S promoted every 32 channels) on outlier channels (~0.1) and
-# heavy-tailed inputs (1-2e-2 measured, up to 6e-2 in the CPU model), backend triton-fast's FP8 S on both.
+# heavy-tailed inputs (1-2e-2 measured, up to 6e-2 in the CPU model), backend hopper's FP8 S on both.
 ACCURACY_VARIANTS = [  # (deterministic, config, kinds asserted)
     (False, dict(kernel="gluon", exact_scores=True), set(KINDS)),
     (True, dict(kernel="gluon", exact_scores=True), set(KINDS)),

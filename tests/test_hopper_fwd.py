@@ -20,7 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jagged_attn import quantize_mxfp8, reference
-from jagged_attn.kernels import hopper_fwd, hopper_fwd_ws, layout, rebase
+from jagged_attn.kernels.common import layout
+from jagged_attn.kernels.sm90 import hopper_fwd, hopper_fwd_ws, rebase
 from jagged_attn.mxfp8 import element_scale_bytes
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_seq_start, sequence_ids
 from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
@@ -294,7 +295,7 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
         signature["k"] = "*bf16"  # K comes as its exact MX values (rebase_feature(..., exact=True))
     config = hopper_fwd.tile_config(128)
     ptx = compile_ptx(
-        "jagged_attn.kernels.hopper_fwd",
+        "jagged_attn.kernels.sm90.hopper_fwd",
         "_attention_forward_kernel",
         signature,
         constexprs,
@@ -321,7 +322,7 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
                     factor="*fp32", nonfinite="*fp32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
-    ptx = compile_ptx("jagged_attn.kernels.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
+    ptx = compile_ptx("jagged_attn.kernels.sm90.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
                       num_warps=rebase.FEATURE_CONFIG["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
@@ -337,7 +338,7 @@ def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90():
                       CHECK_FINITE=True, INTERPRET=False, BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", nonfinite="*fp32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
-    ptx = compile_ptx("jagged_attn.kernels.rebase", "_sequence_exponent_kernel", signature, constexprs, arch=90,
+    ptx = compile_ptx("jagged_attn.kernels.sm90.rebase", "_sequence_exponent_kernel", signature, constexprs, arch=90,
                       num_warps=rebase.EXPONENT_CONFIGS["values"]["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
@@ -431,7 +432,7 @@ def test_gpu_long_sequence_error_against_fp64_is_the_reference_backends(poisoned
 @pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
 def test_gpu_accuracy_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
-    """FP8 S (backend "triton-fast"): the issue's cosine bar (vs fp64 within 1e-4 of the reference's);
+    """FP8 S (backend "hopper"): the issue's cosine bar (vs fp64 within 1e-4 of the reference's);
     O within FP8_SCORES_O_TOLERANCE of the reference (the issue's 1e-2 in most draws); LSE within 1e-3
     plus FP8 wgmma's accumulation error of S (~13 bits of the row's score bound). The flat 1e-3 LSE bar
     is the default's (exact S, test below): FP8 S measured up to 1.3e-3 on Gaussian rows (H200, 2026-11-30)."""
@@ -476,7 +477,7 @@ FP32_SCORE_PRECISION = 2.0**-18  # exact products, fp32 sums: LSE error per unit
 @pytest.mark.parametrize("kind", ["gaussian", "outlier_channel", "heavy_tailed", "peaked"])
 @pytest.mark.parametrize("len_q, len_k, heads_q, heads_kv, dim, causal", GPU_CASES)
 def test_gpu_precise_scores_meet_the_issue_criteria(poisoned, kind, len_q, len_k, heads_q, heads_kv, dim, causal):
-    """SCORES="bf16" (backend "triton", the default): O within 1e-2 of the reference and cosine within 1e-4
+    """SCORES="bf16" (backend "hopper-exact-scores"): O within 1e-2 of the reference and cosine within 1e-4
     of its on every kind; LSE within 1e-3 or, where |scores| reach the thousands, fp32's resolution."""
     run = _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="bf16")
     check_bounds(*run, O_TOLERANCE, COSINE_SLACK, FP32_SCORE_PRECISION)
@@ -560,7 +561,7 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
     signature.update({name: "constexpr" for name in constexprs})
-    ptx, shared = compile_kernel("jagged_attn.kernels.hopper_fwd_ws", "_attention_forward_kernel", signature,
+    ptx, shared = compile_kernel("jagged_attn.kernels.sm90.hopper_fwd_ws", "_attention_forward_kernel", signature,
                                  constexprs, arch=90, gluon=True)
     assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -157,21 +158,71 @@ def test_auto_backend_on_cpu_is_reference():
 def test_kernel_backends_refuse_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(backends, "_interpreting", lambda: False)
     q, k, v, oq, ok = _inputs()
-    for name in ("triton", "triton-fast", "exact"):
+    for name in ("hopper-exact-scores", "hopper", "block-scaled"):
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             ja.jagged_attention(q, k, v, oq, ok, backend=name)
 
 
 def test_backends_pick_the_backward_scores(monkeypatch):
-    """``triton`` asks hopper_bwd for exact S (bf16 MMA), ``triton-fast`` for FP8 S, as their forwards."""
-    from jagged_attn.kernels import hopper_bwd
+    """``hopper-exact-scores`` asks hopper_bwd for exact S (bf16 MMA), ``hopper`` for FP8 S, as their forwards."""
+    from jagged_attn.kernels.sm90 import hopper_bwd
 
     calls = []
     monkeypatch.setattr(hopper_bwd, "attention_backward", lambda *args, **kwargs: calls.append(kwargs))
     q, k, v, oq, ok = _inputs()
-    for name in ("triton", "triton-fast"):
+    for name in ("hopper-exact-scores", "hopper"):
         backends.get_backend(name).backward(q, q, k, v, q, q[..., 0], oq, ok, False, 0.125, False)
     assert [c["scores"] for c in calls] == ["bf16", "fp8"]
+
+
+@pytest.fixture
+def fresh_deprecation_warnings():
+    """The once-per-process memory of deprecated backend names starts (and ends) empty."""
+    backends._warn_deprecated_name.cache_clear()
+    yield
+    backends._warn_deprecated_name.cache_clear()
+
+
+def test_deprecated_backend_names_resolve_with_one_warning(fresh_deprecation_warnings, monkeypatch):
+    """The previous release's names run the backend now called by the new name, warning (at the caller's
+    line) once per name per process; the new names and ``auto`` resolve quietly, anything else is refused."""
+    monkeypatch.setattr(backends, "_interpreting", lambda: False)  # stop at the device check, naming the backend
+    q, k, v, oq, ok = _inputs()
+    assert backends.DEPRECATED_NAMES == {"triton": "hopper-exact-scores", "triton-fast": "hopper",
+                                         "exact": "block-scaled"}
+    for old, new in backends.DEPRECATED_NAMES.items():
+        assert new in backends.BACKENDS and old not in backends.BACKENDS
+        with pytest.warns(DeprecationWarning, match=f"backend={old!r} is deprecated .* now called {new!r}") as seen:
+            with pytest.raises(ValueError, match=f"backend={new!r} needs a CUDA GPU"):
+                ja.jagged_attention(q, k, v, oq, ok, backend=old)
+        assert [w.filename for w in seen] == [__file__]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process, whatever the warning filters say
+            assert backends.backend_name(old) == new
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in backends.BACKENDS:
+            assert backends.backend_name(name) == name
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ja.jagged_attention(q, k, v, oq, ok, backend="cuda")
+
+
+def test_deprecated_backend_name_under_torch_compile(fresh_deprecation_warnings):
+    """An old name resolves (run, not traced) under a fullgraph torch.compile: one graph, the warning once."""
+    def scaled(x):
+        return x * (2 if backends.backend_name("triton-fast") == "hopper" else 3)
+
+    torch._dynamo.reset()
+    with pytest.warns(DeprecationWarning, match="'triton-fast' is deprecated"):
+        assert torch.equal(torch.compile(scaled, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_layer_keeps_the_new_backend_name(fresh_deprecation_warnings):
+    from jagged_attn.nn import JaggedAttention
+
+    with pytest.warns(DeprecationWarning, match="'exact' is deprecated"):
+        layer = JaggedAttention(64, num_heads=2, backend="exact")
+    assert layer.backend == "block-scaled"
 
 
 def _bad_calls():
@@ -194,7 +245,8 @@ def _bad_calls():
     yield (q, k, v, oq, ok), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"
     yield (q, k, v, oq), {}, ValueError, "offsets_k is required"
     yield (mq, mk, v, None, None), {}, TypeError, "all MXFP8Jagged"
-    yield (mq, mk, ja.quantize_mxfp8(v, ok), None, None), {"backend": "triton"}, ValueError, "per-token V scales"
+    yield ((mq, mk, ja.quantize_mxfp8(v, ok), None, None), {"backend": "hopper-exact-scores"}, ValueError,
+           "per-token V scales")
     yield (q, k, v, oq, ok), {"v_scaling": "channel"}, ValueError, "v_scaling must be one of"
     k_seq = ja.quantize_mxfp8(k, ok, axis="sequence")
     yield (mq, k_seq, mv, None, None), {}, ValueError, "k must be quantized along the feature"
@@ -209,8 +261,8 @@ def _bad_calls():
     yield (q, q, ja.JaggedTensor(q, other), oq, None), {}, ValueError, "v's offsets must equal k's"
     # Head dims a backend's kernels lack: refused before any kernel is compiled.
     wide = _inputs(dim=96)
-    yield wide, {"backend": "triton"}, ValueError, "supports head_dim in"
-    yield wide, {"backend": "exact"}, ValueError, "supports head_dim in"
+    yield wide, {"backend": "hopper-exact-scores"}, ValueError, "supports head_dim in"
+    yield wide, {"backend": "block-scaled"}, ValueError, "supports head_dim in"
 
 
 
@@ -317,10 +369,10 @@ def test_nested_tensors_in_and_out_match_sdpa(heads_first):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend, dtype", [("auto", torch.bfloat16), ("auto", torch.float16), ("auto", torch.float32),
-                                            ("triton-fast", torch.bfloat16), ("triton-fast", torch.float32),
-                                            ("exact", torch.bfloat16)])
+                                            ("hopper", torch.bfloat16), ("hopper", torch.float32),
+                                            ("block-scaled", torch.bfloat16)])
 def test_gpu_backends_through_the_public_api(backend, dtype):
-    """jagged_attention on CUDA (auto = triton on Hopper): forward, LSE and gradients against the
+    """jagged_attention on CUDA (auto = hopper on Hopper): forward, LSE and gradients against the
     reference backend on the same inputs (Gaussian, ragged, cross, causal, GQA), in the inputs' dtype
     (fp32 gradients once went wrong where bf16 ones were right: docs/perf-history.md v19)."""
     q, k, v, oq, ok = _inputs(lengths_q=(0, 1, 31, 129, 700), lengths_k=(5, 64, 33, 128, 900), hq=8, hkv=2,
@@ -345,7 +397,7 @@ def test_gpu_backends_through_the_public_api(backend, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("checks, waits", [(True, 1), (False, 0)])
 def test_gpu_training_step_waits_for_the_device_once(checks, waits):
-    """A forward + backward of jagged_attention (backend triton, bf16) copies from the device to the
+    """A forward + backward of jagged_attention (backend hopper-exact-scores, bf16) copies from the device to the
     host once: the validation's one read of the offsets' facts and the inputs' finiteness; never
     inside ``value_checks(False)``. Every wait leaves the GPU idle while the host launches what follows
     (making nine waits one took an H200's step from 30.98 to 28.76 ms, docs/perf-history.md v15); the kernels'
@@ -355,7 +407,7 @@ def test_gpu_training_step_waits_for_the_device_once(checks, waits):
     leaves = [x.requires_grad_(True) for x in (q, k, v)]
 
     def step():
-        out = ja.jagged_attention(*leaves, oq, ok, causal=True, backend="triton")
+        out = ja.jagged_attention(*leaves, oq, ok, causal=True, backend="hopper-exact-scores")
         return torch.autograd.grad(out, leaves, torch.randn_like(q))
 
     copies = device_to_host_copies(step, value_checks=checks)
@@ -370,12 +422,12 @@ def test_gpu_nonfinite_input_raises_once_offsets_are_known(name):
     q, k, v, oq, ok = (x.cuda() for x in _inputs(lengths_q=(3, 130), lengths_k=(40, 7), hq=2, hkv=1, dim=64,
                                                  dtype=torch.bfloat16))
     inputs = {"q": q, "k": k, "v": v}
-    ja.jagged_attention(q, k, v, oq, ok, backend="triton")  # the offsets become known valid
+    ja.jagged_attention(q, k, v, oq, ok, backend="hopper-exact-scores")  # the offsets become known valid
     bad = inputs[name].clone()
     bad[int(torch.randint(bad.shape[0], ()))] = float("nan") if torch.rand(()) < 0.5 else float("inf")
     inputs[name] = bad
     with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
-        ja.jagged_attention(*inputs.values(), oq, ok, backend="triton")
+        ja.jagged_attention(*inputs.values(), oq, ok, backend="hopper-exact-scores")
 
 
 @pytest.mark.gpu
@@ -394,7 +446,7 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 
     def run():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = ja.jagged_attention(*leaves, oq, ok, causal=True, backend="triton", deterministic=True)
+        out = ja.jagged_attention(*leaves, oq, ok, causal=True, backend="hopper-exact-scores", deterministic=True)
         mx = ja.quantize_mxfp8(q, oq)
         return [out, *torch.autograd.grad(out, leaves, dout), mx.data.view(torch.uint8), mx.scales.view(torch.uint8),
                 layer(x, oq)]
@@ -411,7 +463,7 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 @pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
 def test_gpu_large_batches(batch, longest, heads, dim):
     """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
-    and backward through the public API (backend "auto" = triton-fast on Hopper) on the whole batch,
+    and backward through the public API (backend "auto" = hopper on Hopper) on the whole batch,
     checked against the reference backend on the first and last 40 sequences (attention is per
     sequence). (Sizes bound the transposed copies, which pad every sequence to 128 tokens.)"""
     lengths = torch.randint(1, longest + 1, (batch,))

@@ -1,4 +1,4 @@
-"""Linear + quantize (kernels/linear_quantize.py): the projection against fp64, its MXFP8 bit for bit
+"""Linear + quantize (kernels/producers/linear_quantize.py): the projection against fp64, its MXFP8 bit for bit
 against ``quantize_mxfp8`` of the same bf16 result, and wgmma in the sm_90 PTX.
 
 CPU runs use the Triton interpreter on tiny ragged batches; ``gpu`` tests use realistic shapes.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from compile_util import compile_ptx, divides
-from jagged_attn.kernels import linear_quantize as lq
+from jagged_attn.kernels.producers import linear_quantize as lq
 from test_hopper_fwd import poisoned  # noqa: F401  (fixture: every torch.empty starts as NaN / 0xFF)
 from test_quantize_kernel import RAGGED, assert_data_identical, assert_scales_identical, ragged_offsets
 
@@ -171,7 +171,7 @@ def _sm90_ptx(quantize: bool) -> str:
         **dict.fromkeys(constexprs, "constexpr"),
     }
     return compile_ptx(
-        "jagged_attn.kernels.linear_quantize",
+        "jagged_attn.kernels.producers.linear_quantize",
         "_linear_kernel",
         signature,
         constexprs,

@@ -139,7 +139,7 @@ def test_merging_mxfp8_attention_over_two_key_parts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "triton-fast", "exact"])
+@pytest.mark.parametrize("backend", ["hopper-exact-scores", "hopper", "block-scaled"])
 def test_merging_mxfp8_attention_over_two_key_parts_gpu(backend):
     """As the CPU test, with the kernel backends: their backward takes the LSE's gradient."""
     check_mxfp8_merge("cuda", backend, torch.bfloat16)

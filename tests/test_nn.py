@@ -120,7 +120,7 @@ def test_gpu_training_tracks_the_bf16_curve(fused_producers):
     initial weights, same batches."""
     torch.manual_seed(torch.initial_seed() % 2**31)
     device, dtype = "cuda", torch.bfloat16
-    layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, backend="triton",
+    layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, backend="hopper-exact-scores",
                             fused_producers=fused_producers, device=device, dtype=dtype)
     twin = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, device=device, dtype=dtype)
     twin.load_state_dict(layer.state_dict())
@@ -246,7 +246,8 @@ def test_fused_layer_rejects_offsets_on_another_device():
 
 
 @pytest.mark.parametrize("backend, qk_norm, cross", [("reference", False, True), ("reference", True, False),
-                                                     ("triton", False, False), ("triton", True, True)])
+                                                     ("hopper-exact-scores", False, False),
+                                                     ("hopper-exact-scores", True, True)])
 def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cross):
     """Same bf16 layer, the producers fused or not: the interpreter's GEMM may round y differently
     from torch's in rare elements, so a few MX values may differ; otherwise every step is the same.
@@ -285,7 +286,7 @@ def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cro
             assert relative_l2(g, g_ref) < 6e-2, name
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton", "triton-fast"])
+@pytest.mark.parametrize("backend", ["reference", "hopper-exact-scores", "hopper"])
 def test_prequantized_attention_equals_quantizing_inside(backend):
     """Equal MXFP8 operands give bit-identical attention: Q and K quantized beforehand
     (``quantize_mxfp8``, what the producers emit bit for bit) or inside the attention."""
@@ -369,7 +370,7 @@ def test_fused_producers_auto_and_obstacles(monkeypatch):
     offsets = offsets_from_lengths(torch.tensor([3, 40]))
     x = torch.randn(43, 64, dtype=torch.bfloat16)
     calls = _calls_of(monkeypatch, "prequantized_attention_op")
-    JaggedAttention(64, num_heads=2, head_dim=64, backend="triton", dtype=torch.bfloat16)(x, offsets)
+    JaggedAttention(64, num_heads=2, head_dim=64, backend="hopper-exact-scores", dtype=torch.bfloat16)(x, offsets)
     assert not calls  # auto fuses on CUDA only
     assert "fused_producers=None" in repr(JaggedAttention(64, num_heads=2))
     cases = [(dict(), "bfloat16"), (dict(head_dim=96, dtype=torch.bfloat16), "head dim"),
@@ -389,9 +390,9 @@ GPU_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 700, 1000]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend, head_dim, qk_norm, cross", [("triton", 128, False, False),
-                                                               ("triton", 64, True, True),
-                                                               ("triton-fast", 128, True, False)])
+@pytest.mark.parametrize("backend, head_dim, qk_norm, cross", [("hopper-exact-scores", 128, False, False),
+                                                               ("hopper-exact-scores", 64, True, True),
+                                                               ("hopper", 128, True, False)])
 def test_gpu_fused_layer_matches_the_plain_path(backend, head_dim, qk_norm, cross):
     """The fused layer's output and gradients against the same layer unfused and both against the
     fp64 twin with unquantized attention: the producers' GEMM rounds y in another order than
@@ -430,7 +431,7 @@ def test_gpu_fused_layer_matches_the_plain_path(backend, head_dim, qk_norm, cros
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "triton-fast"])
+@pytest.mark.parametrize("backend", ["hopper-exact-scores", "hopper"])
 def test_gpu_producer_mxfp8_gives_bit_identical_attention(backend):
     """The attention on the MXFP8 the producers emit equals the attention quantizing their bf16
     outputs itself (the producers' MXFP8 is ``quantize_mxfp8`` of their bf16 output): bit for bit
@@ -451,7 +452,7 @@ def test_gpu_producer_mxfp8_gives_bit_identical_attention(backend):
     common = (offsets_q, offsets_k, True, 128**-0.5, backend, False)
     out, lse = fused_ops.prequantized_attention_op(q, k, v, q_data, q_scales, k_data, k_scales, *common)
     ref, ref_lse = ops.attention_op(q, k, v, *common, "sequence", False)
-    if backend != "triton-fast":
+    if backend != "hopper":
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     else:
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
@@ -467,7 +468,7 @@ def test_gpu_layer_step_waits_for_the_device_once(fused, checks, waits):
     fused producers or not: the check of q, k, v's finiteness (the offsets are known valid); never
     inside ``value_checks(False)``. Twelve waits per step made the fused layer 15% slower than the
     plain one on an H200 (docs/perf-history.md v15)."""
-    layer = JaggedAttention(256, 4, head_dim=64, causal=True, backend="triton", fused_producers=fused,
+    layer = JaggedAttention(256, 4, head_dim=64, causal=True, backend="hopper-exact-scores", fused_producers=fused,
                             device="cuda", dtype=torch.bfloat16)
     offsets = offsets_from_lengths(torch.tensor(GPU_LENGTHS)).cuda()
     x = torch.randn(int(offsets[-1]), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -481,12 +482,13 @@ def test_gpu_layer_step_waits_for_the_device_once(fused, checks, waits):
 
 def test_the_layer_refuses_head_dims_its_backend_lacks():
     """Also on the fused path, which reaches the kernels without ``jagged_attention``'s checks."""
-    layer = JaggedAttention(192, num_heads=2, head_dim=96, backend="triton", fused_producers=False)
+    layer = JaggedAttention(192, num_heads=2, head_dim=96, backend="hopper-exact-scores", fused_producers=False)
     x = torch.randn(40, 192)
     with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 96"):
         layer(x, torch.tensor([0, 15, 40]))
     assert JaggedAttention(192, num_heads=2, head_dim=96, backend="reference")(x, torch.tensor([0, 15, 40])).shape == (
         40, 192)
-    fused = JaggedAttention(64, num_heads=2, head_dim=32, backend="triton", fused_producers=True, dtype=torch.bfloat16)
+    fused = JaggedAttention(64, num_heads=2, head_dim=32, backend="hopper-exact-scores", fused_producers=True,
+                            dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 32"):
         fused(torch.randn(40, 64, dtype=torch.bfloat16), torch.tensor([0, 15, 40]))

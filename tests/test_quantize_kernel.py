@@ -1,4 +1,4 @@
-"""The fused jagged MXFP8 quantizer (kernels/quantize.py) against the torch reference, bit for bit.
+"""The fused jagged MXFP8 quantizer (kernels/producers/quantize.py) against the torch reference, bit for bit.
 
 CPU: Triton's interpreter on tiny ragged batches. GPU: the same on CUDA, then bandwidth against a
 device-to-device copy of the same input.
@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 from compile_util import compile_ptx, divides
-from jagged_attn.kernels import layout
-from jagged_attn.kernels import quantize as qk
-from jagged_attn.kernels.interpreter import INTERPRETED
+from jagged_attn.kernels.common import layout
+from jagged_attn.kernels.producers import quantize as qk
+from jagged_attn.kernels.common.interpreter import INTERPRETED
 
 from jagged_attn import mx_format, mxfp8, quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
@@ -51,7 +51,7 @@ def torch_reference(values, offsets, axis, rounding):
 
 def assert_data_identical(data, expected):
     got, want = data.view(torch.uint8), expected.view(torch.uint8)
-    if INTERPRETED:  # the interpreter's e4m3 rounding may lose the sign of a zero (kernels/fp8.py)
+    if INTERPRETED:  # the interpreter's e4m3 rounding may lose the sign of a zero (kernels/common/fp8.py)
         zero = (got & ~SIGN) == 0
         got = torch.where(zero & ((want & ~SIGN) == 0), want, got)
     mismatches = (got != want).nonzero()
@@ -240,7 +240,8 @@ def compile_per_tile_kernel(module: str, kernel: str, leading: dict, config=qk.C
 
 @pytest.mark.parametrize("config", qk.CONFIGS.values(), ids=qk.CONFIGS)
 def test_compiles_for_sm90_with_hardware_e4m3_conversion(config):
-    ptx = compile_per_tile_kernel("jagged_attn.kernels.quantize", "_quantize_kernel", {"values": "*bf16"}, config)
+    ptx = compile_per_tile_kernel("jagged_attn.kernels.producers.quantize", "_quantize_kernel", {"values": "*bf16"},
+                                  config)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert not divides(ptx)
     assert "max.NaN.f32" in ptx  # NaN survives the block maxima, so it can be flagged
@@ -252,7 +253,7 @@ def test_sequence_axis_maxima_stay_inside_warps(config):
     """With one 32-token block per warp the only exchange between warps is the scale bytes' (one
     barrier); the 8-warp layout, whose blocks span two warps, needs four."""
     ptx = compile_per_tile_kernel(
-        "jagged_attn.kernels.quantize", "_quantize_kernel", {"values": "*bf16"}, config,
+        "jagged_attn.kernels.producers.quantize", "_quantize_kernel", {"values": "*bf16"}, config,
         FEATURE=False, CHECK_FINITE=False,
     )
     assert ptx.count("bar.sync") == 1

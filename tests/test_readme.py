@@ -21,3 +21,16 @@ def test_readme_python_example_runs():
 @pytest.mark.parametrize("index", range(1, len(EXAMPLES)))
 def test_readme_other_python_examples_run(index):
     exec(compile(EXAMPLES[index], str(README), "exec"), {})
+
+
+def test_module_table_lists_every_kernel_module_in_its_folder():
+    """Kernel modules live in ``kernels/``'s subpackages; the README's module table has a row per
+    subpackage naming each of its modules, and no row for a folder that is not there."""
+    kernels = README.parent / "kernels"
+    assert [p.name for p in kernels.glob("*.py")] == ["__init__.py"]  # every kernel module in a subpackage
+    rows = dict(re.findall(r"^\| `(kernels/\w+/)` \| (.*) \|$", README.read_text(), re.M))
+    folders = {f"kernels/{p.name}/" for p in kernels.iterdir() if (p / "__init__.py").is_file()}
+    assert set(rows) == folders
+    for folder in folders:
+        modules = {p.name for p in (README.parent / folder).glob("*.py")} - {"__init__.py"}
+        assert modules == set(re.findall(r"`(\w+\.py)`", rows[folder])), folder

@@ -29,9 +29,9 @@ from torch.testing._internal.common_quantized import to_blocked
 
 import jagged_attn as ja
 from jagged_attn import cli, mxfp8
-from jagged_attn.kernels import hopper_fwd
-from jagged_attn.kernels.linear_quantize import linear_quantize
-from jagged_attn.kernels.rmsnorm_quantize import rms_norm_quantize
+from jagged_attn.kernels.producers.linear_quantize import linear_quantize
+from jagged_attn.kernels.producers.rmsnorm_quantize import rms_norm_quantize
+from jagged_attn.kernels.sm90 import hopper_fwd
 from jagged_attn.metrics import relative_l2
 from jagged_attn.mx_format import saturating_cast
 from jagged_attn.offsets import offsets_from_lengths

@@ -1,4 +1,4 @@
-"""Derived tensors kept across calls (``kernels/reuse.py``): reused only for the same, unwritten
+"""Derived tensors kept across calls (``kernels/common/reuse.py``): reused only for the same, unwritten
 sources; rebuilt after any write torch sees; never kept for inference tensors; dropped with their source."""
 
 import gc
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import jagged_attn as ja
-from jagged_attn.kernels import rebase, reuse
-from jagged_attn.kernels.schedule import tile_list, work_list
+from jagged_attn.kernels.common import reuse
+from jagged_attn.kernels.sm90 import rebase
+from jagged_attn.kernels.common.schedule import tile_list, work_list
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, sequence_ids
 from jagged_attn.reference import reference_forward
 
@@ -79,13 +80,13 @@ def test_attention_on_reused_mxfp8_inputs_sees_their_in_place_updates():
     q, k = torch.randn(162, 2, 64, device=DEVICE), torch.randn(162, 2, 64, device=DEVICE)
     mq, mk = ja.quantize_mxfp8(q, offsets), ja.quantize_mxfp8(k, offsets)
     mv = ja.quantize_mxfp8(torch.randn(162, 2, 64, device=DEVICE), offsets, axis="sequence")
-    ja.jagged_attention(mq, mk, mv, backend="triton-fast")
+    ja.jagged_attention(mq, mk, mv, backend="hopper")
     new_v = torch.randn(162, 2, 64, device=DEVICE)
     fresh = ja.quantize_mxfp8(new_v, offsets, axis="sequence")
     mv.data.copy_(fresh.data)
     mv.scales.copy_(fresh.scales)
-    out = ja.jagged_attention(mq, mk, mv, backend="triton-fast")
-    expected = ja.jagged_attention(mq, mk, fresh, backend="triton-fast")
+    out = ja.jagged_attention(mq, mk, mv, backend="hopper")
+    expected = ja.jagged_attention(mq, mk, fresh, backend="hopper")
     assert torch.equal(out, expected)
     truth, _ = reference_forward(q.double(), k.double(), new_v.double(), offsets, offsets)
     assert (out.double() - truth).norm() / truth.norm() < 0.1

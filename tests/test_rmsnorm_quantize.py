@@ -1,4 +1,4 @@
-"""Fused RMSNorm + MXFP8 quantize (kernels/rmsnorm_quantize.py) against torch.
+"""Fused RMSNorm + MXFP8 quantize (kernels/producers/rmsnorm_quantize.py) against torch.
 
 The reference composition: torch's RMSNorm in fp32, rounded to x's dtype, then
 ``jagged_attn.quantize_mxfp8``. The MXFP8 must equal the quantization of the kernel's own normalized
@@ -10,10 +10,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from jagged_attn.kernels import fp8
-from jagged_attn.kernels import quantize as qk
-from jagged_attn.kernels import rmsnorm_quantize as rq
-from jagged_attn.kernels.interpreter import INTERPRETED
+from jagged_attn.kernels.common import fp8
+from jagged_attn.kernels.producers import quantize as qk
+from jagged_attn.kernels.producers import rmsnorm_quantize as rq
+from jagged_attn.kernels.common.interpreter import INTERPRETED
 from compile_util import divides
 from test_quantize_kernel import (
     RAGGED,
@@ -229,7 +229,8 @@ LEADING = {"values": "*bf16", "weight": "*bf16", "normalized": "*bf16", "rstd": 
 @pytest.mark.parametrize("config", rq.CONFIGS.values(), ids=rq.CONFIGS)
 def test_compiles_for_sm90(config):
     ptx = compile_per_tile_kernel(
-        "jagged_attn.kernels.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config, STORE_NORMALIZED=True
+        "jagged_attn.kernels.producers.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config,
+        STORE_NORMALIZED=True,
     )
     assert "rsqrt.approx" in ptx  # rstd as the docstring states
     assert "cvt.rn.bf16" in ptx  # the normalized values rounded to nearest before quantizing
@@ -245,7 +246,7 @@ def test_warp_local_layout_exchanges_only_the_per_row_values():
     inside warps: the barriers left are the weight's (1), the scale bytes' (2) and rstd's (2)."""
     config = rq.CONFIGS["all-4w-v8"]
     ptx = compile_per_tile_kernel(
-        "jagged_attn.kernels.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config,
+        "jagged_attn.kernels.producers.rmsnorm_quantize", "_rms_norm_quantize_kernel", LEADING, config,
         STORE_NORMALIZED=True, FEATURE=False, CHECK_FINITE=False,
     )
     assert ptx.count("bar.sync") == 5

@@ -4,7 +4,7 @@ longest first), built on the device without a host sync."""
 import torch
 from hypothesis import given, settings, strategies as st
 
-from jagged_attn.kernels.schedule import EMPTY_SLOT, tile_list, tile_slots, work_list
+from jagged_attn.kernels.common.schedule import EMPTY_SLOT, tile_list, tile_slots, work_list
 from jagged_attn.offsets import offsets_from_lengths, padded_tile
 from jagged_attn.reference import visible_mask
 

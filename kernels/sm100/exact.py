@@ -1,4 +1,4 @@
-"""Spec-exact MXFP8 attention on ``tl.dot_scaled``, forward and backward (backend ``"exact"``).
+"""Spec-exact MXFP8 attention on ``tl.dot_scaled``, forward and backward (backend ``"block-scaled"``).
 
 Every GEMM takes its operands as e4m3 values plus E8M0 scales per 32 elements along K, read
 straight from the tiled jagged scale buffers of :class:`~jagged_attn.mxfp8.MXFP8Jagged` (the
@@ -17,7 +17,7 @@ difference is the fp32 accumulation order:
   32 x 32 tile, replicated over the tile's 32 rows because ``dot_scaled`` takes one scale per
   (row, 32-wide K block); the same bytes serve dS (for dQ) and dS^T (for dK).
 
-Scale placement comes from ``jagged_attn.kernels.layout`` (the owner modules' formulas).
+Scale placement comes from ``jagged_attn.kernels.common.layout`` (the owner modules' formulas).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, quantize_mxfp8_dual, 
 from jagged_attn.offsets import max_length
 from jagged_attn.reference import softmax_delta
 
-from . import fp8
-from .layout import (
+from ..common import fp8
+from ..common.layout import (
     LN2,
     LOG2E,
     P_SCALE,

@@ -55,8 +55,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jagged_attn.offsets import max_length, padded_total
 
-from . import fp8, hopper_bwd_ws
-from .layout import (
+from ..common import fp8
+from . import hopper_bwd_ws
+from ..common.layout import (
     DS_ORDER,
     LOG2E,
     NATURAL_ORDER,
@@ -76,7 +77,7 @@ from .layout import (
     slot_program,
     store_sequence_copy,
 )
-from .schedule import SLOT_TOKENS, slot_tiles
+from ..common.schedule import SLOT_TOKENS, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 # Warps of the producer's two passes (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms with four each

@@ -27,8 +27,8 @@ from jagged_attn.mxfp8 import AXES, check_values, scale_matrix_shape
 from jagged_attn.offsets import padded_total, validate_offsets
 from jagged_attn.scale_layout import TILE_ROWS, tiled_bytes
 
-from . import fp8, layout
-from .interpreter import INTERPRETED
+from ..common import fp8, layout
+from ..common.interpreter import INTERPRETED
 
 TILE_TOKENS = TILE_ROWS  # tokens per program: one scale row tile (feature) / column tile (sequence)
 WIDEST_VECTOR = tl.constexpr(16)  # channels per thread Triton gives a tile unless told less: a 128-bit e4m3 store

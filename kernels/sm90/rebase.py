@@ -43,9 +43,9 @@ from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
-from . import fp8, layout, reuse
-from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
-from .schedule import SLOT_TOKENS, slot_tiles
+from ..common import fp8, layout, reuse
+from ..producers.quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
+from ..common.schedule import SLOT_TOKENS, slot_tiles
 
 # One padded slot: whole MX blocks (sequence-axis blocks never straddle programs), one whole key tile (PV_KEY_BITS).
 TOKENS_PER_PROGRAM = SLOT_TOKENS

@@ -31,7 +31,8 @@ import triton.language as tl
 
 from jagged_attn.mxfp8 import MXFP8Jagged, checked_after, largest_magnitudes
 
-from . import fp8, hopper_fwd_ws, layout
+from ..common import fp8, layout
+from . import hopper_fwd_ws
 from .rebase import (
     dequantized_feature_rows,
     kept_rebase_kv,
@@ -39,7 +40,7 @@ from .rebase import (
     rebased_feature_rows,
     scale_args,
 )
-from .schedule import work_list
+from ..common.schedule import work_list
 
 SCORE_MODES = ("fp8", "fp8-promoted", "bf16")
 HEAD_DIMS = hopper_fwd_ws.HEAD_DIMS  # the GPU kernel's; the Triton kernel serves the interpreter at those too

@@ -28,10 +28,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from jagged_attn.mxfp8 import checked_after
 
-from . import fp8, layout
+from ..common import fp8, layout
 from .rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
-from .schedule import work_list
-from .tma import operand_descriptor
+from ..common.schedule import work_list
+from ..common.tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONSUMERS = gl.constexpr(2)

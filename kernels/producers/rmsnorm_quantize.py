@@ -21,7 +21,7 @@ The numbers, exactly:
 fp32 units in the last place (the order of the sum and rsqrt differ), i.e. within one unit in the
 last place of ``x``'s dtype.
 
-The work split, the slot table and the MX store path are those of ``kernels/quantize.py``: one
+The work split, the slot table and the MX store path are those of ``kernels/producers/quantize.py``: one
 program per head of one 128-token tile of one sequence, all D channels (a row's statistic needs
 every channel of its token), laid out by a ``quantize.TileConfig`` whose ``channels`` is None.
 With 4 warps each warp holds one 32-token block of all D channels, so the rstd sum (over the
@@ -38,7 +38,8 @@ import triton.language as tl
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import HIGH_PRECISION_DTYPES, MXFP8Jagged, check_finite, mxfp8_without_value_checks
 
-from . import fp8, quantize
+from ..common import fp8
+from . import quantize
 from .quantize import TileConfig, program_tile, store_mxfp8
 
 # scripts/bench_rmsnorm_quantize.py times them all on the GPU; every configuration writes the same

@@ -38,7 +38,7 @@ per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 Measured on an H200 (docs/perf-history.md, v8-v13): exact S and dP 1.01x cuDNN's BF16 backward (dense d128,
 2026-11-30 14:45; causal 0.94x), gradients within 5e-3 of the reference backend on every input kind
 of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of the reference's; FP8 S and dP
-(backend ``triton-fast``) 1.09x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier
+(backend ``hopper``) 1.09x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier
 inputs. The consumers are at their register ceiling and sensitive to every instruction; with them
 sped up (v13) the dQ warpgroup bounds the kernel: its loads and dQ steps (publishing, wgmmas,
 staging, reduce-adds) add ~5 ms to the consumers' ~13.7 (docs/perf-history.md v11-v13).
@@ -58,9 +58,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import layout
-from .schedule import work_list
-from .tma import operand_descriptor
+from ..common import layout
+from ..common.schedule import work_list
+from ..common.tma import operand_descriptor
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
