@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings, strategies as st
 
 import jagged_attn as ja
 from attention_oracle import padded_attention
@@ -60,11 +61,11 @@ def sharded_and_whole(call, whole_call, q, k, v, oq, ok, causal):
     return [out.detach(), lse.detach(), *(x.grad for x in shards)], whole, (dout, dlse)
 
 
-def exact_worker(seed):
+def exact_worker(seed, cases=EXACT_CASES, causal_modes=(False, True)):
     torch.manual_seed(seed)  # the same batch on every rank
-    for lengths_q, lengths_k, heads_q, heads_kv in EXACT_CASES:
+    for lengths_q, lengths_k, heads_q, heads_kv in cases:
         inputs = batch(lengths_q, lengths_k, heads_q, heads_kv, torch.float64)
-        for causal in (False, True):
+        for causal in causal_modes:
             def call(q, k, v, oq, ok, causal):
                 return _context_parallel(padded_attention, q, k, v, oq, ok, causal, None)
             got, want, _ = sharded_and_whole(call, padded_attention, *inputs, causal)
@@ -110,21 +111,21 @@ def mxfp8_worker(seed):
                 assert relative_l2(g, t) <= 1.25 * relative_l2(w, t) + 1e-6, (name, lengths, causal)
 
 
-def _run(rank, world, init_file, worker, seed):
+def _run(rank, world, init_file, worker, seed, *worker_args):
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        worker(seed)
+        worker(seed, *worker_args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(worker, world):
+def spawn(worker, world, *worker_args):
     with tempfile.TemporaryDirectory() as tmp:
         seed = int(torch.randint(0, 2**31, ()))
         # fork: the ranks start with jagged_attn imported (spawn re-imports it, ~10 s per test on 2 cores)
-        mp.start_processes(_run, args=(world, os.path.join(tmp, "init"), worker, seed), nprocs=world,
-                           start_method="fork")
+        mp.start_processes(_run, args=(world, os.path.join(tmp, "init"), worker, seed, *worker_args),
+                           nprocs=world, start_method="fork")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -132,6 +133,19 @@ def test_context_parallel_is_one_call_fp64(world):
     """Exact attention through the partial-attention core: ragged lengths 0-200, causal and not, GQA, causal
     cross-attention with L_k above and below L_q (bottom-right alignment across shards)."""
     spawn(exact_worker, world)
+
+
+LENGTHS = st.sampled_from(RAGGED + [2, 3, 64, 65, 97, 300])
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.tuples(LENGTHS, LENGTHS), min_size=1, max_size=4), self_attention=st.booleans(),
+       causal=st.booleans(), group=st.sampled_from([1, 2]), world=st.sampled_from([2, 3]))
+def test_context_parallel_is_one_call_fp64_property(lengths, self_attention, causal, group, world):
+    """As above over drawn ragged batches (query and key lengths drawn apart for cross-attention)."""
+    lengths_q = [pair[0] for pair in lengths]
+    lengths_k = None if self_attention else [pair[1] for pair in lengths]
+    spawn(exact_worker, world, [(lengths_q, lengths_k, 2, 2 // group)], (causal,))
 
 
 def test_context_parallel_mxfp8_reference():
