@@ -197,3 +197,22 @@ def padded_rows_of_tokens(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch
     offsets = bounded_offsets(offsets, seq_ids.numel())
     starts = padded_seq_start(offsets[:-1], torch.arange(offsets.numel() - 1, device=offsets.device))
     return starts[seq_ids] + positions_in_sequence(offsets, seq_ids)
+
+
+def context_parallel_spans(offsets: torch.Tensor, rank: int, world_size: int):
+    """int64 ``([B], [B])``: the positions ``[start, end)`` inside each sequence that ``rank`` of
+    ``world_size`` holds under context parallelism: ``start = rank * L // world_size``, ``end =
+    (rank + 1) * L // world_size`` for a sequence of length ``L`` (contiguous shards, the longer ones last)."""
+    lengths = lengths_of(offsets).to(torch.int64)
+    return rank * lengths // world_size, (rank + 1) * lengths // world_size
+
+
+def span_rows(offsets: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):
+    """The rows of positions ``[starts[b], ends[b])`` of each sequence ``b`` of a batch with ``offsets``
+    (int64 ``[n]``, sequence by sequence) and the int64 offsets ``[B + 1]`` of those spans as a batch."""
+    span_lengths = (ends - starts).clamp_min(0)
+    span_offsets = offsets_from_lengths(span_lengths)
+    total = int(span_offsets[-1])
+    seq_ids = sequence_ids(span_offsets, total)
+    rows = offsets.to(torch.int64)[:-1][seq_ids] + starts[seq_ids] + positions_in_sequence(span_offsets, seq_ids)
+    return rows, span_offsets
