@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--device", default="cpu", help="where chunks are quantized: cpu, or cuda (fused Triton kernel)")
     pre.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk (default: ~16M values)")
     pre.add_argument("--force", action="store_true", help="replace an existing output file")
+    pre.add_argument("--no-progress", action="store_true",
+                     help="no progress line on stderr (it is shown only when stderr is a terminal)")
 
     insp = sub.add_parser("inspect", help="summarize a preprocessed MXFP8 file")
     insp.add_argument("file")
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
             from .preprocess import preprocess_file
 
             stats = preprocess_file(args.input, args.output, axis=args.axis, rounding=args.rounding, heads=args.heads,
-                                    device=args.device, chunk_tokens=args.chunk_tokens, overwrite=args.force)
+                                    device=args.device, chunk_tokens=args.chunk_tokens, overwrite=args.force,
+                                    progress=sys.stderr.isatty() and not args.no_progress)
             print(f"wrote {stats['output']}: {stats['sequences']} sequences, {stats['tokens']} tokens, "
                   f"{stats['output_bytes'] / 2**20:.1f} MiB ({stats['input_bytes'] / 2**20:.1f} MiB in), "
                   f"{stats['tokens_per_s']:.0f} tokens/s, {stats['checksum']}")

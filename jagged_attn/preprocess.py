@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import mmap
 import os
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -52,7 +54,7 @@ COMPILE_MIN_VALUES = 1 << 22  # below this, compiling the quantizer costs more t
 INDEX_KEYS = ("offsets", "lengths")
 CHUNKS_IN_FLIGHT = 2  # quantized chunks waiting for the writer thread, at most
 WRITER_CORES = 1  # cores the CPU quantizer leaves to the writer thread
-_PROGRESS_INTERVAL_S = 0.5
+_PROGRESS_INTERVAL_S = 0.25  # the terminal line is rewritten at most 4 times a second
 
 
 class _JaggedSource:
@@ -224,25 +226,86 @@ def _store(writer, name, data, row_start, tiles) -> None:
     writer.write_scale_tiles(name, *tiles)
 
 
-class _Progress:
-    """A one-line progress report on stderr: tokens, tokens/s and input GB/s."""
+@dataclasses.dataclass(frozen=True)
+class PreprocessProgress:
+    """Where a ``preprocess_file`` run stands, as passed to its ``progress`` callback."""
 
-    def __init__(self, total_tokens: int, enabled: bool):
-        self.total, self.enabled = total_tokens, enabled
-        self.started = self.shown = time.perf_counter()
+    chunks_done: int
+    chunks_total: int
+    tokens_done: int
+    tokens_total: int
+    seconds: float  # since the run started
 
-    def update(self, tokens: int, nbytes: int, final: bool = False) -> None:
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_done / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def eta_seconds(self) -> float | None:
+        """Seconds left at the rate so far: ``None`` until a token is done, 0 once all are."""
+        left = self.tokens_total - self.tokens_done
+        if left == 0:
+            return 0.0
+        rate = self.tokens_per_s
+        return left / rate if rate > 0 else None
+
+
+class _TerminalProgress:
+    """``progress=True``: one line on ``stream``, rewritten in place (``\\r``) at most every
+    ``_PROGRESS_INTERVAL_S``; shown at once at the start, with the first ETA, and at the end (then a newline)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.shown_at = None
+        self.estimated = False
+        self.width = 0
+
+    def __call__(self, state: PreprocessProgress) -> None:
         now = time.perf_counter()
-        if not self.enabled or (not final and now - self.shown < _PROGRESS_INTERVAL_S):
+        final = state.chunks_done == state.chunks_total
+        first_estimate = not self.estimated and state.eta_seconds is not None
+        if not (final or first_estimate or self.shown_at is None or now - self.shown_at >= _PROGRESS_INTERVAL_S):
             return
-        self.shown = now
-        elapsed = max(now - self.started, 1e-9)
-        percent = 100.0 * tokens / self.total if self.total else 100.0
-        line = (
-            f"\rpreprocess {percent:5.1f}% {tokens:,}/{self.total:,} tokens"
-            f" | {tokens / elapsed:,.0f} tokens/s | {nbytes / elapsed / 1e9:.2f} GB/s read"
-        )
-        print(line, end="\n" if final else "", file=sys.stderr, flush=True)
+        self.shown_at, self.estimated = now, self.estimated or first_estimate
+        line = _progress_line(state, final)
+        self.stream.write("\r" + line.ljust(self.width) + ("\n" if final else ""))  # ljust: cover a longer line
+        self.stream.flush()
+        self.width = len(line)
+
+
+def _progress_line(state: PreprocessProgress, final: bool) -> str:
+    if state.tokens_total:
+        percent = 100.0 * state.tokens_done / state.tokens_total
+    else:  # only empty sequences
+        percent = 100.0 * state.chunks_done / max(state.chunks_total, 1)
+    eta = state.eta_seconds
+    timing = f"done in {_clock(state.seconds)}" if final else f"ETA {'?' if eta is None else _clock(eta)}"
+    return (f"preprocess {percent:5.1f}%  chunk {state.chunks_done:,}/{state.chunks_total:,}  "
+            f"{_short(state.tokens_done)}/{_short(state.tokens_total)} tokens  "
+            f"{_short(state.tokens_per_s)} tokens/s  {timing}")
+
+
+def _short(count: float) -> str:
+    """``count`` in a few characters: 950, 12.3k, 4.5M, 1.2G."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return f"{count:.0f}"
+
+
+def _clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour on."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
+
+
+def _progress_callback(progress) -> Callable[[PreprocessProgress], None] | None:
+    if isinstance(progress, bool):
+        return _TerminalProgress(sys.stderr) if progress else None
+    if callable(progress):
+        return progress
+    raise TypeError(f"progress must be a bool or a callable, got {type(progress).__name__}")
 
 
 def _check_output_path(input_path, output_path, overwrite: bool) -> None:
@@ -267,7 +330,7 @@ def preprocess_file(
     rounding: str = "rceil",
     heads: int | None = None,
     chunk_tokens: int | None = None,
-    progress: bool = True,
+    progress: bool | Callable[[PreprocessProgress], None] = False,
     compile: bool | None = None,
     device: str | torch.device = "cpu",
     overwrite: bool = False,
@@ -286,7 +349,11 @@ def preprocess_file(
         rounding: ``"rceil"`` or ``"floor"``.
         heads: split ``values [total, H * D]`` into ``H`` heads.
         chunk_tokens: tokens per chunk (default: about 16M values per chunk).
-        progress: print a progress line with tokens/s on stderr.
+        progress: ``False`` (quiet), ``True`` (a line on stderr, rewritten in place a few times a
+            second: chunks and tokens done, tokens/s, ETA; ``jagged-attn preprocess`` shows it when
+            stderr is a terminal), or a callable given a ``PreprocessProgress`` with
+            ``chunks_done`` 0, 1, ..., ``chunks_total`` in order, once each; the last call comes after
+            the file is complete. It runs on the calling thread; what it raises aborts the run.
         compile: quantize through ``torch.compile`` (bit-identical, several times faster; the
             first chunk pays a few seconds of compilation). Default: only for inputs of more than
             ``COMPILE_MIN_VALUES`` values.
@@ -323,16 +390,23 @@ def preprocess_file(
     structure = "dict" if axis == "both" else "single"
 
     row_bytes = row_values * source.dtype.itemsize
-    report = _Progress(total, progress)
+    notify = _progress_callback(progress)
     clock = _StageClock()
     started = time.perf_counter()
-    chunks = 0
+    plan = list(sequence_chunks(offsets, chunk_tokens))  # (first, end) sequences of each chunk
+
+    def report(chunks_done: int, tokens_done: int) -> None:
+        if notify is not None:
+            notify(PreprocessProgress(chunks_done, len(plan), tokens_done, total, time.perf_counter() - started))
+
     stored_offsets = {names[ax]: source.offsets for ax in axes}
     writer = MXFP8FileWriter(output_path, list(entries.values()), stored_offsets, structure)
     # The pool closes (waiting for queued writes) before the writer, which removes the file on error.
     with writer, ThreadPoolExecutor(1, "jagged-attn-writer") as sink, _quantizer_threads(device):
         queued = collections.deque()
-        for first, end in sequence_chunks(offsets, chunk_tokens):
+        if plan:
+            report(0, 0)
+        for index, (first, end) in enumerate(plan):
             row_start, row_stop = int(offsets[first]), int(offsets[end])
             chunk_offsets = offsets[first : end + 1] - row_start
             with clock("read"):
@@ -348,14 +422,14 @@ def preprocess_file(
             with clock("wait"):
                 while len(queued) > CHUNKS_IN_FLIGHT * len(entries):
                     queued.popleft().result()
-            chunks += 1
-            report.update(row_stop, row_stop * row_bytes)
+            if index + 1 < len(plan):  # the last chunk is reported once the file is complete
+                report(index + 1, row_stop)
         with clock("wait"):
             for job in queued:
                 job.result()
         checksum = writer.close()
     seconds = time.perf_counter() - started
-    report.update(total, total * row_bytes, final=True)
+    report(len(plan), total)
     return {
         "input": os.fspath(input_path),
         "output": os.fspath(output_path),
@@ -365,7 +439,7 @@ def preprocess_file(
         "tokens": total,
         "heads": shape[1] if len(shape) == 3 else 1,
         "head_dim": shape[-1],
-        "chunks": chunks,
+        "chunks": len(plan),
         "input_bytes": total * row_bytes,
         "output_bytes": os.path.getsize(output_path),
         "seconds": seconds,

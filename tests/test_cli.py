@@ -99,3 +99,78 @@ def test_errors_spanning_lines_print_one(tmp_path, capsys):
     assert main(["preprocess", str(tmp_path / "in.pt"), str(tmp_path / "out.st")]) == 2
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1 and "cannot read it as a safetensors or torch file" in stderr
+
+
+def _cli_on_terminal(*args):
+    """``jagged-attn`` in a child process whose stderr is a pseudo-terminal: (exit code, stdout, what the
+    terminal received)."""
+    import os
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    received = []
+    try:
+        with subprocess.Popen([sys.executable, "-m", "jagged_attn.cli", *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=follower, text=True) as child:
+            os.close(follower)
+            while select.select([leader], [], [], 300)[0]:
+                try:
+                    data = os.read(leader, 4096)
+                except OSError:  # EIO: the child, the last holder of the terminal, has exited
+                    break
+                if not data:
+                    break
+                received.append(data)
+            else:
+                child.kill()
+            stdout = child.stdout.read()
+    finally:
+        os.close(leader)
+    return child.returncode, stdout, b"".join(received).decode()
+
+
+def test_preprocess_progress_only_on_a_terminal(tmp_path):
+    import time
+
+    import safetensors.torch
+
+    source = tmp_path / "in.st"
+    safetensors.torch.save_file({"values": torch.randn(3200, 64), "lengths": torch.full((200,), 16)}, source)
+    command = ("preprocess", source)
+    summary = r"^wrote \S+: 200 sequences, 3200 tokens, .* tokens/s, sha256:[0-9a-f]{64}$"
+
+    code, stdout, stderr = _cli(*command, tmp_path / "piped.st", "--chunk-tokens", 16)
+    assert code == 0 and stderr == "", stderr  # stderr is a pipe here: no progress
+    assert re.match(summary, stdout, re.M), stdout
+
+    started = time.perf_counter()
+    code, stdout, terminal = _cli_on_terminal(*command, tmp_path / "tty.st", "--chunk-tokens", 16)
+    seconds = time.perf_counter() - started
+    assert code == 0 and re.match(summary, stdout, re.M), (stdout, terminal)
+    lines = [line.rstrip() for line in re.split(r"[\r\n]+", terminal) if line.strip()]
+    assert lines and all(line.startswith("preprocess ") for line in lines), terminal
+    assert any(re.search(r"chunk \d+/200 .* tokens/s  ETA \d+:\d\d$", line) for line in lines), terminal
+    assert re.search(r"^preprocess 100\.0%  chunk 200/200  3\.2k/3\.2k tokens .* done in \d+:\d\d$", lines[-1])
+    assert len(lines) <= 3 + 4 * seconds + 1, lines  # start, first ETA, end, and at most 4 a second
+    assert (tmp_path / "tty.st").read_bytes() == (tmp_path / "piped.st").read_bytes()
+
+
+
+def test_no_progress_silences_a_terminal(tmp_path, monkeypatch, capsys):
+    """In this process (a child costs seconds of imports), with stderr a real pseudo-terminal."""
+    import os
+    import pty
+    import select
+
+    import safetensors.torch
+
+    safetensors.torch.save_file({"values": torch.randn(300, 64), "lengths": torch.full((30,), 10)}, tmp_path / "in.st")
+    leader, follower = pty.openpty()
+    with os.fdopen(follower, "w") as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(["preprocess", str(tmp_path / "in.st"), str(tmp_path / "out.st"), "--chunk-tokens", "10",
+                     "--no-progress"]) == 0
+        assert not select.select([leader], [], [], 0)[0], os.read(leader, 4096)  # nothing reached the terminal
+    os.close(leader)
+    assert capsys.readouterr().out.startswith("wrote ")

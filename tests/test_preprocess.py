@@ -1,5 +1,7 @@
 """Offline preprocessing: chunked output is byte-identical to saving the whole-tensor quantization."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -164,11 +166,58 @@ def test_unreadable_input(tmp_path):
         preprocess_file(tmp_path / "in.bin", tmp_path / "out", progress=False)
 
 
-def test_progress_line(tmp_path, capsys):
+def test_quiet_by_default(tmp_path, capsys):
     save_file({"values": torch.randn(100, 32), "lengths": torch.tensor([60, 40])}, tmp_path / "in.safetensors")
-    preprocess_file(tmp_path / "in.safetensors", tmp_path / "out")
+    preprocess_file(tmp_path / "in.safetensors", tmp_path / "out", chunk_tokens=50)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_line(tmp_path, capsys):
+    """``progress=True``: the line is rewritten in place: at the start, with the first ETA, at the end."""
+    save_file({"values": torch.randn(100, 32), "lengths": torch.tensor([10, 40, 50])}, tmp_path / "in.safetensors")
+    preprocess_file(tmp_path / "in.safetensors", tmp_path / "out", chunk_tokens=50, progress=True)
     err = capsys.readouterr().err
-    assert "100.0% 100/100 tokens" in err and "tokens/s" in err and "GB/s read" in err
+    assert err.startswith("\r") and err.endswith("\n") and err.count("\n") == 1, repr(err)
+    start, first, final = (line.rstrip() for line in err[1:-1].split("\r"))
+    assert start.startswith("preprocess   0.0%  chunk 0/2  0/100 tokens") and start.endswith("ETA ?"), start
+    assert first.startswith("preprocess  50.0%  chunk 1/2  50/100 tokens") and re.search(r"ETA \d+:\d\d$", first)
+    assert re.fullmatch(r"preprocess 100\.0%  chunk 2/2  100/100 tokens  \S+ tokens/s  done in \d+:\d\d", final), final
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.sampled_from(EDGE_LENGTHS), max_size=8), chunk_tokens=st.sampled_from([1, 100, 129, 10**6]))
+def test_progress_callback(tmp_path_factory, lengths, chunk_tokens):
+    """Called with chunks_done 0, 1, ..., chunks_total once each, the last with the file complete; the
+    file is the one written without progress."""
+    directory = tmp_path_factory.mktemp("progress")
+    offsets = offsets_from_lengths(torch.tensor(lengths, dtype=torch.int64))
+    save_file({"values": ragged_values(lengths), "offsets": offsets}, directory / "in.st")
+    states, complete = [], []
+
+    def record(state):
+        states.append(state)
+        complete.append((directory / "out.st").exists())
+
+    stats = preprocess_file(directory / "in.st", directory / "out.st", chunk_tokens=chunk_tokens, progress=record)
+    total = sum(lengths)
+    assert [s.chunks_done for s in states] == list(range(stats["chunks"] + 1))
+    assert complete == [False] * stats["chunks"] + [True]
+    assert {s.chunks_total for s in states} == {stats["chunks"]} and {s.tokens_total for s in states} == {total}
+    tokens = [s.tokens_done for s in states]
+    assert tokens == sorted(tokens) and tokens[-1] == total and all(s.seconds >= 0 for s in states)
+    if stats["chunks"] and total:
+        assert states[0].tokens_done == 0 and states[0].eta_seconds is None
+    assert states[-1].eta_seconds == 0.0
+    assert all(s.eta_seconds >= 0 for s in states[1:] if s.tokens_done)
+    preprocess_file(directory / "in.st", directory / "quiet.st", chunk_tokens=chunk_tokens)
+    assert (directory / "out.st").read_bytes() == (directory / "quiet.st").read_bytes()
+
+
+def test_progress_must_be_a_bool_or_a_callable(tmp_path):
+    save_file({"values": torch.randn(4, 32), "lengths": torch.tensor([4])}, tmp_path / "in.st")
+    with pytest.raises(TypeError, match="progress must be a bool or a callable"):
+        preprocess_file(tmp_path / "in.st", tmp_path / "out.st", progress="yes")
+    assert not (tmp_path / "out.st").exists()
 
 
 def test_inspect_reports_the_numbers(tmp_path):
