@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .backends import BACKENDS
+from .backends import BACKENDS, DEPRECATED_NAMES
 from .mx_format import ROUNDINGS
 
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     demo.add_argument("--head-dim", type=int, default=128)
     demo.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
-    demo.add_argument("--backend", default="auto", choices=BACKENDS)
+    demo.add_argument("--backend", default="auto", choices=(*BACKENDS, *DEPRECATED_NAMES))  # old names: one release
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
     pre = sub.add_parser("preprocess", help="quantize a jagged tensor file to MXFP8 offline")

@@ -32,6 +32,8 @@ def test_parser_knows_the_subcommands():
     assert parser.parse_args(["inspect", "f"]).file == "f"
     args = parser.parse_args(["preprocess", "a", "b", "--device", "cuda", "--chunk-tokens", "4096"])
     assert (args.device, args.chunk_tokens) == ("cuda", 4096)
+    for name in ("hopper", "triton-fast", "exact"):  # the deprecated names too, for one release
+        assert parser.parse_args(["demo", "--backend", name]).backend == name
 
 
 def test_preprocess_then_inspect_then_load(tmp_path):
