@@ -113,9 +113,13 @@ def mxfp8_without_value_checks(data, scales, offsets, axis: str, rounding: str =
     """An MXFP8Jagged of parts whose values need no reading: offsets already validated, bytes from
     this package's quantizers (whose inputs are checked for NaN/Inf, or flagged for the caller to
     check) or from another MXFP8Jagged. Dtypes and shapes are checked; no pass over the data, no
-    wait for the device."""
+    wait for the device. ``scales``: float8_e8m0fnu, or their uint8 bytes (viewed as such); E8M0
+    scales are kept as the very tensor given, which the Hopper forms kept across calls are stamped with
+    (``kernels/common/reuse.py``): a new view per call would rebuild them every time."""
+    if scales.dtype == torch.uint8:
+        scales = scales.view(torch.float8_e8m0fnu)
     with value_checks(False):
-        return MXFP8Jagged(data, scales.view(torch.float8_e8m0fnu), offsets, axis, rounding)
+        return MXFP8Jagged(data, scales, offsets, axis, rounding)
 
 
 def scale_matrix_shape(axis: str, total: int, batch: int, head_dim: int) -> tuple[int, int]:

@@ -72,6 +72,20 @@ def test_kept_rebase_kv_follows_in_place_writes_to_mxfp8_data():
     assert torch.equal(after[3], expected[3])
 
 
+def test_attention_on_reused_mxfp8_inputs_rebases_them_once(monkeypatch):
+    """Through the public call (the torch.library op rebuilds its MXFP8Jagged operands from their tensors
+    on every call): the second call on the same inputs reuses the first call's rebased K and V."""
+    builds = []
+    rebase_kv = rebase.rebase_kv
+    monkeypatch.setattr(rebase, "rebase_kv", lambda *args, **kwargs: builds.append(1) or rebase_kv(*args, **kwargs))
+    offsets = _offsets([33, 129])
+    mq, mk = (ja.quantize_mxfp8(torch.randn(162, 2, 64, device=DEVICE), offsets) for _ in range(2))
+    mv = ja.quantize_mxfp8(torch.randn(162, 2, 64, device=DEVICE), offsets, axis="sequence")
+    first = ja.jagged_attention(mq, mk, mv, backend="hopper")
+    assert torch.equal(ja.jagged_attention(mq, mk, mv, backend="hopper"), first)
+    assert len(builds) == 1
+
+
 @pytest.mark.slow
 def test_attention_on_reused_mxfp8_inputs_sees_their_in_place_updates():
     """Two calls on the same MXFP8 objects with V rewritten between them: the second output is that of
