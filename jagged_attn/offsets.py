@@ -194,9 +194,9 @@ def positions_in_sequence(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch
 
 def padded_rows_of_tokens(offsets: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
     """int64 ``[total]``: each row's row in a padded (scale) buffer."""
-    offsets = bounded_offsets(offsets, seq_ids.numel())
-    starts = padded_seq_start(offsets[:-1], torch.arange(offsets.numel() - 1, device=offsets.device))
-    return starts[seq_ids] + positions_in_sequence(offsets, seq_ids)
+    starts = bounded_offsets(offsets, seq_ids.numel())[:-1]
+    shifts = padded_seq_start(starts, torch.arange(starts.numel(), device=offsets.device)) - starts
+    return shifts[seq_ids] + torch.arange(seq_ids.numel(), device=offsets.device)
 
 
 def context_parallel_spans(offsets: torch.Tensor, rank: int, world_size: int):
