@@ -92,6 +92,7 @@ def _backward(ctx, dout, dlse):
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
+
 @torch.library.custom_op("jagged_attn::mxfp8_attention", mutates_args=())
 def mxfp8_attention_op(
     q_data: torch.Tensor, q_scales: torch.Tensor, k_data: torch.Tensor, k_scales: torch.Tensor,

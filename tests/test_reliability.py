@@ -620,6 +620,19 @@ def test_fuzz_quantize_mxfp8():
     run_fuzzer("fuzz_quantize_mxfp8")
 
 
+BYTE_DAMAGE = ("truncate", "flip")
+
+
+def damaged_bytes(raw: bytes, damage: str, draw) -> bytes:
+    """A file's contents cut short (``"truncate"``) or with one to four bytes flipped (``"flip"``)."""
+    if damage == "truncate":
+        return raw[:draw(st.integers(0, len(raw) - 1), "size")]
+    flipped = bytearray(raw)
+    for position in draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=4), "positions"):
+        flipped[position] ^= draw(st.integers(1, 255))
+    return bytes(flipped)
+
+
 def _header(raw: bytes) -> tuple[dict, bytes]:
     """(safetensors JSON header, the bytes after it) of a file's contents."""
     length = struct.unpack("<Q", raw[:8])[0]
@@ -677,13 +690,8 @@ def damaged_file_case(data, damage):
     header, payload = _header(raw)
     keys = sorted(k for k in header if k != "__metadata__")
     key = draw(st.sampled_from(keys), "tensor")
-    if damage == "truncate":
-        raw = raw[:draw(st.integers(0, len(raw) - 1), "size")]
-    elif damage == "flip":
-        raw = bytearray(raw)
-        for position in draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=4), "positions"):
-            raw[position] ^= draw(st.integers(1, 255))
-        raw = bytes(raw)
+    if damage in BYTE_DAMAGE:
+        raw = damaged_bytes(raw, damage, draw)
     elif damage == "header_length":
         raw = struct.pack("<Q", draw(st.sampled_from([0, 7, len(raw), 2**40, 2**64 - 1]))) + raw[8:]
     elif damage == "shape_claim":
@@ -815,16 +823,10 @@ def preprocess_command_case(data, damage):
     else:
         torch.save(tensors, source)
     raw = source.read_bytes()
-    if damage == "truncate":
-        raw = raw[:draw(st.integers(0, len(raw) - 1), "size")]
-    elif damage == "flip":
-        raw = bytearray(raw)
-        for position in draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=4), "positions"):
-            raw[position] ^= draw(st.integers(1, 255))
-        raw = bytes(raw)
-    elif damage in ("header_length", "values_shape_claim", "values_extent_claim") and container == "torch":
-        damage = "truncate"
-        raw = raw[:draw(st.integers(0, len(raw) - 1), "size")]
+    if damage in ("header_length", "values_shape_claim", "values_extent_claim") and container == "torch":
+        damage = "truncate"  # a torch file has no safetensors header to lie in
+    if damage in BYTE_DAMAGE:
+        raw = damaged_bytes(raw, damage, draw)
     elif damage == "header_length":
         raw = struct.pack("<Q", draw(st.sampled_from([0, 7, len(raw), 2**40, 2**64 - 1]))) + raw[8:]
     elif damage == "values_shape_claim":
