@@ -109,7 +109,8 @@ def _context_parallel(attention, q, k, v, offsets_q, offsets_k, causal, group):
 
 
 def context_parallel_attention(q, k, v, offsets_q, offsets_k=None, *, group=None, causal: bool = False,
-                               softmax_scale: float | None = None, backend: str = "auto", return_lse: bool = False):
+                               softmax_scale: float | None = None, backend: str = "auto", return_lse: bool = False,
+                               center_kv: bool = False):
     """Attention over a ragged batch whose tokens are sharded across the ranks of ``group`` (the default
     process group for None): the output and gradients of ``jagged_attention`` on the whole batch, each rank
     getting its own queries' rows.
@@ -122,6 +123,7 @@ def context_parallel_attention(q, k, v, offsets_q, offsets_k=None, *, group=None
             save a wait per call); ``offsets_k=None`` for self-attention.
         causal: bottom-right aligned per sequence, as ``jagged_attention``'s.
         softmax_scale, backend: as ``jagged_attention``'s; return_lse: also return the float32 LSE ``[local_q, Hq]``.
+        center_kv: as ``jagged_attention``'s, each key part centered on its own means.
 
     Returns ``out [local_q, Hq, D]`` in q's dtype (and the LSE). Every rank must call it (all-gathers of K and V)
     and run the backward. Differentiable through autograd: K and V gradients reach the ranks that hold them.
@@ -137,7 +139,7 @@ def context_parallel_attention(q, k, v, offsets_q, offsets_k=None, *, group=None
 
     def attention(q_part, k_part, v_part, offsets_a, offsets_b, part_causal):
         return jagged_attention(q_part, k_part, v_part, offsets_a, offsets_b, causal=part_causal,
-                                softmax_scale=softmax_scale, backend=backend, return_lse=True)
+                                softmax_scale=softmax_scale, backend=backend, return_lse=True, center_kv=center_kv)
 
     out, lse = _context_parallel(attention, q, k, v, offsets_q.cpu(), offsets_k.cpu(), causal, group)
     return (out, lse) if return_lse else out

@@ -9,7 +9,7 @@ from .interface import jagged_attention
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None, *, return_lse=False, backend="auto",
+    return_attn_probs=False, block_table=None, *, return_lse=False, backend="auto", center_kv=False,
 ):
     """``flash_attn.flash_attn_varlen_func`` (FlashAttention 2, same arguments in the same order) computed
     by :func:`jagged_attn.jagged_attention` in MXFP8.
@@ -27,7 +27,7 @@ def flash_attn_varlen_func(
     Returns ``out [total_q, Hq, D]`` in q's dtype, as FlashAttention does without ``return_attn_probs``;
     with ``return_lse=True`` (ours) ``(out, lse)``, lse float32 in FlashAttention's ``softmax_lse`` layout
     ``[Hq, total_q]`` (natural log, -inf for rows that see no key), differentiable like ``out``. ``backend``
-    (ours): as for ``jagged_attention``.
+    and ``center_kv`` (ours): as for ``jagged_attention``.
     """
     unsupported = [
         (dropout_p != 0, f"dropout_p={dropout_p!r} (attention dropout)"),
@@ -41,7 +41,7 @@ def flash_attn_varlen_func(
     if refused:
         raise NotImplementedError(f"jagged_attn.flash_attn_varlen_func does not support {', '.join(refused)}")
     result = jagged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
-                              backend=backend, return_lse=return_lse, deterministic=deterministic)
+                              backend=backend, return_lse=return_lse, deterministic=deterministic, center_kv=center_kv)
     if not return_lse:
         return result
     out, lse = result

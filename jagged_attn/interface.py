@@ -8,6 +8,7 @@ import torch
 
 from . import ops
 from .backends import auto_backend_name, backend_name, check_head_dim, check_kernel_device
+from .centering import centered_keys_values, uncentered_outputs
 from .jagged import split_heads, unpack_jagged
 from .mxfp8 import MXFP8Jagged, check_values
 from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
@@ -91,7 +92,7 @@ def _check_shapes(q_shape, k_shape, v_shape):
 def jagged_attention(
     q, k, v, offsets_q=None, offsets_k=None, *, causal: bool = False, softmax_scale: float | None = None,
     backend: str = "auto", return_lse: bool = False, deterministic: bool = False, v_scaling: str = "sequence",
-    heads: int | None = None,
+    heads: int | None = None, center_kv: bool = False,
 ):
     """Attention over a ragged batch: ``out[b] = softmax(q_b k_b^T * scale + mask) v_b``.
 
@@ -122,17 +123,26 @@ def jagged_attention(
         v_scaling: ``"sequence"`` (MX blocks of 32 tokens, the GEMM's reduction axis) or
             ``"token"`` (blocks along head_dim, one scale per token and 32 channels). With
             ``"sequence"`` a later token can change how an earlier token's V is rounded; causal
-            training that must rule that out uses ``"token"`` (reference backend only for now).
-            For MXFP8 inputs it is read from ``v.axis``.
+            training that must rule that out uses ``"token"`` with ``center_kv=False`` (reference
+            backend only for now). For MXFP8 inputs it is read from ``v.axis``.
         heads: for 2-D high-precision values ``[total, H * D]`` (fbgemm's, torchrec's): q has
             ``heads`` heads, k and v as many heads of q's D as their width holds; out is 2-D too.
+        center_kv: quantize high-precision K and V as offsets from their per-sequence means and
+            add the mean back to O (exact in exact arithmetic: scores move by a row constant).
+            Where K or V has a large common part, as in models without QK-norm, this keeps the
+            gradients from drifting off (dQ 25% -> 7% from fp64 on biased keys) and training
+            from diverging. Off by default for now: the shift is three passes of its own around
+            the attention (sums, shift, and O and the LSE after), not yet folded into the
+            quantizing producers and the forward's epilogue (docs/PERF.md). ``False`` quantizes
+            K and V as given (the spec's rounding of them, bit for bit).
 
     Returns:
         ``out [total_q, Hq, D]`` in q's dtype (bf16 for MXFP8 inputs), and LSE if asked.
         High-precision inputs get gradients through autograd (quantization is straight-through).
         Under ``torch.autocast`` q, k, v (of one dtype or mixed) run in the autocast dtype.
     """
-    for flag, value in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
+    for flag, value in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic),
+                        ("center_kv", center_kv)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     q, offsets_q, pack = _unpack(q, offsets_q, "q")
@@ -197,6 +207,13 @@ def jagged_attention(
         if quantized:
             out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q,
                                               offsets_k, bool(causal), softmax_scale, name, v_axis)
+        elif center_kv:  # K and V quantized as offsets from their sequence means (centering.py)
+            if _under_autocast(device):  # centered in the dtype the attention runs them in
+                q, k, v = ops.autocast_inputs(device.type, q, k, v)
+            k, v, k_mean, v_mean = centered_keys_values(k, v, offsets_k)
+            out, lse = ops.attention_op(q.contiguous(), k, v, offsets_q, offsets_k, bool(causal), softmax_scale, name,
+                                        bool(deterministic), v_axis, check_finite)
+            out, lse = uncentered_outputs(out, lse, q, k_mean, v_mean, offsets_q, softmax_scale)
         else:
             out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k,
                                         bool(causal), softmax_scale, name, bool(deterministic), v_axis, check_finite)

@@ -28,12 +28,16 @@ class JaggedAttention(nn.Module):
     a multiple of 128 and in-features a multiple of 8 without ``qk_norm``); ``True`` insists (a
     ``ValueError`` where it cannot), ``False`` keeps ``nn.Linear`` / ``nn.RMSNorm`` and lets the
     attention quantize.
+
+    ``center_kv``: as ``jagged_attention``'s (K and V quantized as offsets from their sequence means).
+    The fused producers quantize K as it leaves the projection, before its means are known, so they
+    run only with ``center_kv=False``.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  kv_dim: int | None = None, causal: bool = False, qk_norm: bool = False, bias: bool = False,
                  softmax_scale: float | None = None, backend: str = "auto", fused_producers: bool | None = None,
-                 device=None, dtype=None):
+                 center_kv: bool = False, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = dim // num_heads if head_dim is None else head_dim
@@ -45,7 +49,7 @@ class JaggedAttention(nn.Module):
         self.kv_dim = dim if kv_dim is None else kv_dim
         self.causal, self.qk_norm, self.softmax_scale = causal, qk_norm, softmax_scale
         self.backend = backend_name(backend)
-        self.fused_producers = fused_producers
+        self.fused_producers, self.center_kv = fused_producers, center_kv
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(self.kv_dim, num_kv_heads * head_dim, bias=bias, **factory)
@@ -74,7 +78,7 @@ class JaggedAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return jagged_attention(q, k, v, offsets, offsets_kv, causal=self.causal, softmax_scale=self.softmax_scale,
-                                backend=self.backend)
+                                backend=self.backend, center_kv=self.center_kv)
 
     def _attend_from_fused_producers(self, x, offsets, source, offsets_kv, backend):
         check_head_dim(backend, self.head_dim)  # this path reaches the kernels without jagged_attention's checks
@@ -118,6 +122,8 @@ class JaggedAttention(nn.Module):
 
     def _fusion_obstacle(self, x: torch.Tensor) -> str | None:
         """Why the fused producers cannot run here, or None."""
+        if self.center_kv:
+            return "the producers quantize K before its sequence means are known: pass center_kv=False"
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.q_proj.weight.dtype
         if dtype != torch.bfloat16:
@@ -141,4 +147,4 @@ class JaggedAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, kv_dim={self.kv_dim}, causal={self.causal}, qk_norm={self.qk_norm}, "
-                f"backend={self.backend!r}, fused_producers={self.fused_producers}")
+                f"backend={self.backend!r}, fused_producers={self.fused_producers}, center_kv={self.center_kv}")

@@ -117,6 +117,13 @@ def _(q_data, q_scales, k_data, k_scales, v_data, v_scales, offsets_q, offsets_k
 _LIBRARY = torch.library.Library("jagged_attn", "FRAGMENT")  # holds the autocast kernels below
 
 
+def autocast_inputs(device_type: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as the attention runs them under autocast on ``device_type``: in its autocast dtype
+    (float64 left as it is, as torch's autocast does)."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(x if x.dtype == torch.float64 else x.to(dtype) for x in tensors)
+
+
 def _register_autocast(device_type: str) -> None:
     """Under autocast on ``device_type`` the attention casts q, k, v to the autocast dtype of that device
     type, read at the call (``torch.library.register_autocast`` fixes one dtype at registration), and
@@ -126,8 +133,7 @@ def _register_autocast(device_type: str) -> None:
     key = f"Autocast{device_type.upper()}"
 
     def attention_under_autocast(_keyset, q, k, v, *rest):
-        dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = (x if x.dtype == torch.float64 else x.to(dtype) for x in (q, k, v))
+        q, k, v = autocast_inputs(device_type, q, k, v)
         with torch.autocast(device_type, enabled=False):
             return attention_op(q, k, v, *rest)
 

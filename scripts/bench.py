@@ -1,7 +1,8 @@
 """Benchmark: our varlen MXFP8 attention against BF16 peers on one GPU, in one run.
 
 Ours: the public ``jagged_attention`` on bf16 inputs ("ours": backend ``hopper-exact-scores``,
-"fast": ``hopper``, the default on Hopper; value checks on, as a caller gets them), and the forward on
+"fast": ``hopper``, the default on Hopper; with ``--center-kv`` also "fast centered", ``hopper`` with
+``center_kv=True``; value checks on, as a caller gets them), and the forward on
 MXFP8 inputs quantized once beforehand ("ours mxfp8", "fast mxfp8": reused inputs, so their Hopper forms
 are built by the untimed first call and kept, as for a caller who quantizes once and attends many times).
 Peers, all BF16: FlashAttention-4
@@ -247,7 +248,7 @@ def timed(name, peer, w: Workload, backward: bool):
 # ---- ours -------------------------------------------------------------------------------------
 
 
-def jagged_peer(backend: str):
+def jagged_peer(backend: str, center_kv: bool = False):
     """Ours as a caller runs it: ``jagged_attention`` on bf16 q, k, v (quantized inside; GQA natively)."""
 
     def peer(w: Workload):
@@ -255,7 +256,7 @@ def jagged_peer(backend: str):
 
         def forward(q, k, v):
             return jagged_attention(q, k, v, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                                    backend=backend)
+                                    backend=backend, center_kv=center_kv)
 
         return forward, (w.q, w.k, w.v), w.dout
 
@@ -444,6 +445,7 @@ def flex_peer(w: Workload):
 PEERS = [  # (column, peer), in the order they run
     ("ours", jagged_peer("hopper-exact-scores")),
     ("fast", jagged_peer("hopper")),
+    ("fast centered", jagged_peer("hopper", center_kv=True)),  # with --center-kv
     ("fa4", fa4_peer),
     ("cudnn sdpa", cudnn_peer),
     ("varlen_attn", varlen_peer),
@@ -478,8 +480,9 @@ def ceilings():
 
 PEER_COLUMNS = ["fa4", "cudnn sdpa", "varlen_attn", "flex"]
 REFERENCES = PEER_COLUMNS[:3]  # a row's ratios are over the first of these it has
-FORWARD_COLUMNS = ["ours", "fast", "ours mxfp8", "fast mxfp8", "ours kernel", "fast kernel", *PEER_COLUMNS]
-GRADIENT_COLUMNS = ["ours", "fast", *PEER_COLUMNS]  # as "... bwd" and "... step" columns
+OURS_COLUMNS = ["ours", "fast", "fast centered"]
+FORWARD_COLUMNS = [*OURS_COLUMNS, "ours mxfp8", "fast mxfp8", "ours kernel", "fast kernel", *PEER_COLUMNS]
+GRADIENT_COLUMNS = [*OURS_COLUMNS, *PEER_COLUMNS]  # as "... bwd" and "... step" columns
 SWEEP = [
     dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
     for m, n, w, s in ((128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3))
@@ -582,6 +585,7 @@ def parse_args(argv=None):
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64],
                         help="for workloads without a head_dim of their own (the design set)")
     parser.add_argument("--backward", action="store_true", help="also backward and training-step columns")
+    parser.add_argument("--center-kv", action="store_true", help="also fast with center_kv=True (fast centered)")
     parser.add_argument("--flex", action="store_true", help="also FlexAttention (its compiles take minutes)")
     parser.add_argument("--no-flex", dest="flex", action="store_false", help="no FlexAttention (the default)")
     parser.add_argument("--flex-head-dims", type=int, nargs="*", default=[128])
@@ -603,7 +607,8 @@ def bench_row(spec: Spec, dim: int, args):
     sweep = SWEEP if args.sweep and spec is args.specs[0] else ()
     measured = {}
     for name, peer in PEERS:
-        if name != "flex" or (args.flex and dim in args.flex_head_dims):
+        if (name != "flex" or (args.flex and dim in args.flex_head_dims)) and (name != "fast centered"
+                                                                               or args.center_kv):
             attempt(f"{w.label} {name}", functools.partial(timed, name, peer, w, args.backward), measured)
     attempt(f"{w.label} ours mxfp8", functools.partial(ours_mxfp8, w, args.kernel, sweep), measured)
     tflops = {k: w.tflops(k, ms) for k, ms in measured.items() if " ms" not in k}
@@ -662,12 +667,12 @@ def main():
           f"{result['date']}, version {result['version']}")
     print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in result["ceilings"].items()))
     print("forward TFLOP/s; x/ref: ours over the row's reference peer")
-    print(table(rows, FORWARD_COLUMNS, ["ours", "fast", "ours mxfp8", "fast mxfp8"]))
+    print(table(rows, FORWARD_COLUMNS, [*OURS_COLUMNS, "ours mxfp8", "fast mxfp8"]))
     if args.backward:
         print("backward TFLOP/s")
-        print(table(rows, GRADIENT_COLUMNS, ["ours", "fast"], " bwd"))
+        print(table(rows, GRADIENT_COLUMNS, OURS_COLUMNS, " bwd"))
         print("training step (forward + backward through autograd) TFLOP/s")
-        print(table(rows, GRADIENT_COLUMNS, ["ours", "fast"], " step"))
+        print(table(rows, GRADIENT_COLUMNS, OURS_COLUMNS, " step"))
 
 
 if __name__ == "__main__":

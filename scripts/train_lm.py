@@ -8,11 +8,12 @@ the documents: attention never crosses one). The model: byte embedding, ``--laye
 MLP], tied output head; AdamW with warm-up and cosine decay, float32 weights, bf16 matmuls on CUDA.
 Every ``--attn`` choice starts from the same initial weights and sees the same batches:
 
-* one of our backends (``hopper``, ``hopper-exact-scores``, ``block-scaled``, ``reference``): ``jagged_attention``;
+* one of our backends (``hopper``, ``hopper-exact-scores``, ``block-scaled``, ``reference``): ``jagged_attention``
+  (with ``--center-kv``: K and V quantized as offsets from their per-sequence means);
 * ``varlen``: torch ``varlen_attn`` in bf16 (FlashAttention-2);
 * ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` in bf16, where it imports.
 
-    python3 scripts/train_lm.py --attn hopper fa4 [--qk-norm] [--steps 500] --out OUT_DIR
+    python3 scripts/train_lm.py --attn hopper fa4 [--qk-norm] [--center-kv] [--steps 500] --out OUT_DIR
 
 Prints the loss table (train loss, validation loss, median step time) last, writes ``train_lm.json``
 and, with matplotlib, ``train_lm.png`` (loss curves).
@@ -73,11 +74,12 @@ def packed_batches(docs: list[bytes], batch_tokens: int, seed: int) -> list[tupl
              offsets_from_lengths(torch.tensor([len(doc) for doc in batch]))) for batch in batches]
 
 
-def attention_function(name: str):
+def attention_function(name: str, center_kv: bool = False):
     """``attend(q, k, v, offsets, max_len) -> out`` (causal, ``[total, heads, head_dim]``) of an
     ``--attn`` choice."""
     if name in BACKENDS:
-        return lambda q, k, v, offsets, max_len: ja.jagged_attention(q, k, v, offsets, causal=True, backend=name)
+        return lambda q, k, v, offsets, max_len: ja.jagged_attention(q, k, v, offsets, causal=True, backend=name,
+                                                                     center_kv=center_kv)
     if name == "varlen":
         from bench import varlen_causal_kwargs
         from torch.nn.attention.varlen import varlen_attn
@@ -182,7 +184,7 @@ def train(attn: str, args, train_batches, val_batches, device) -> dict:
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
         1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, args.steps - warmup))))))
-    attend = attention_function(attn)
+    attend = attention_function(attn, args.center_kv)
     log, times = [], []
     for step in range(args.steps):
         tokens, offsets = (x.to(device) for x in train_batches[step % len(train_batches)])
@@ -238,6 +240,7 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--qk-norm", action="store_true")
+    parser.add_argument("--center-kv", action="store_true", help="our backends: jagged_attention(center_kv=True)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-tokens", type=int, default=65536)
     parser.add_argument("--max-doc", type=int, default=8192, help="bytes kept of each document")
@@ -263,7 +266,8 @@ def main(argv=None) -> list[dict]:
     runs = [train(attn, args, train_batches, val_batches, device) for attn in args.attn]
     os.makedirs(args.out, exist_ok=True)
     title = (f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {args.layers} layers, "
-             f"d{args.head_dim}, {'QK-norm' if args.qk_norm else 'no QK-norm'}, {args.steps} steps")
+             f"d{args.head_dim}, {'QK-norm' if args.qk_norm else 'no QK-norm'}, "
+             f"{'centered K, V, ' if args.center_kv else ''}{args.steps} steps")
     with open(os.path.join(args.out, "train_lm.json"), "w") as f:
         json.dump(dict(title=title, args=vars(args), runs=runs), f, indent=1)
     plot(runs, os.path.join(args.out, "train_lm.png"), title)

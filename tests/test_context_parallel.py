@@ -2,6 +2,7 @@
 rows it holds of one call over the whole batch (exact attention in fp64 through the partial-attention core; the
 public call with the MXFP8 reference backend to MXFP8 rounding)."""
 
+import functools
 import os
 import tempfile
 
@@ -83,26 +84,34 @@ def rows_check_worker(seed):
 
 
 def mxfp8_worker(seed):
-    """The public call with the reference backend (fp32): O where every shard boundary falls on a 32-token block
-    boundary of V to fp32 rounding; elsewhere as far from fp64 attention as the whole call, gradients too."""
+    """The public call with the reference backend (fp32), uncentered: O where every shard boundary falls on a
+    32-token block boundary of V to fp32 rounding; elsewhere as far from fp64 attention as the whole call,
+    gradients too. Centered (the default: each key part on its own means), as far from fp64 attention as the
+    whole call."""
     torch.manual_seed(seed)
     world = dist.get_world_size()
 
-    def call(q, k, v, oq, ok, causal):
-        return ja.context_parallel_attention(q, k, v, oq, ok, causal=causal, backend="reference", return_lse=True)
+    def call(q, k, v, oq, ok, causal, center_kv=False):
+        return ja.context_parallel_attention(q, k, v, oq, ok, causal=causal, backend="reference", return_lse=True,
+                                             center_kv=center_kv)
 
-    def whole_call(q, k, v, oq, ok, causal):
-        return ja.jagged_attention(q, k, v, oq, ok, causal=causal, backend="reference", return_lse=True)
+    def whole_call(q, k, v, oq, ok, causal, center_kv=False):
+        return ja.jagged_attention(q, k, v, oq, ok, causal=causal, backend="reference", return_lse=True,
+                                   center_kv=center_kv)
 
     aligned = [32 * world * n for n in (0, 1, 3)]
-    for lengths, causal in ((aligned, True), (aligned, False), ([129, 1, 0, 33, 100], True)):
+    cases = [(aligned, True, False), (aligned, False, False), ([129, 1, 0, 33, 100], True, False),
+             ([129, 1, 0, 33, 100], True, True)]
+    for lengths, causal, center_kv in cases:
         inputs = batch(lengths, None, 4, 2, torch.float32)
-        got, want, weights = sharded_and_whole(call, whole_call, *inputs, causal)
+        got, want, weights = sharded_and_whole(functools.partial(call, center_kv=center_kv),
+                                               functools.partial(whole_call, center_kv=center_kv), *inputs, causal)
         fp64 = [x.double() for x in inputs[:3]] + list(inputs[3:])
         truth = whole_rows(padded_attention, *fp64, causal, *(x.double() for x in weights))
         seen = torch.isfinite(want[1])
         assert torch.equal(torch.isfinite(got[1]), seen)
-        assert relative_l2(got[1][seen], want[1][seen]) < 1e-5
+        if not center_kv:
+            assert relative_l2(got[1][seen], want[1][seen]) < 1e-5
         if lengths is aligned:
             assert relative_l2(got[0], want[0]) < 1e-5
         for name, g, w, t in zip(("out", "lse", "dq", "dk", "dv"), got, want, truth):

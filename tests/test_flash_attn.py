@@ -66,9 +66,11 @@ def test_lse_is_differentiable():
 def test_causal_is_bottom_right_aligned_as_flash_attentions():
     """FlashAttention's docstring: seqlen_q = 2, seqlen_k = 5 -> rows see keys 0-3 and 0-4; seqlen_q = 5,
     seqlen_k = 2 -> rows 0-2 see nothing (out 0), row 3 key 0, row 4 keys 0-1. The LSE depends only on Q and
-    K (each key quantized on its own), so changing key j moves exactly the LSE of the rows that see it."""
+    K (each key quantized on its own, without centering), so changing key j moves exactly the LSE of the rows
+    that see it."""
     q, k, v, cu_q, cu_k, max_q, max_k = _inputs(lengths_q=(2, 5), lengths_k=(5, 2), hq=1, hkv=1, dim=32)
-    out, lse = ja.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    out, lse = ja.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True,
+                                         center_kv=False)
     assert not out[2:5].any() and bool(torch.isneginf(lse[0, 2:5]).all()) and torch.isfinite(lse[0, 5:]).all()
     visible = {0: [[0, 1, 2, 3], [0, 1, 2, 3, 4]], 1: [[], [], [], [0], [0, 1]]}  # per sequence: keys of each row
     for b, rows in visible.items():
@@ -76,7 +78,7 @@ def test_causal_is_bottom_right_aligned_as_flash_attentions():
             moved = k.clone()
             moved[int(cu_k[b]) + key] *= -2
             _, lse_moved = ja.flash_attn_varlen_func(q, moved, v, cu_q, cu_k, max_q, max_k, causal=True,
-                                                     return_lse=True)
+                                                     return_lse=True, center_kv=False)
             changed = (lse_moved[0] != lse[0]) & ~(torch.isneginf(lse_moved[0]) & torch.isneginf(lse[0]))
             expected = [key in keys for keys in rows]
             assert changed[int(cu_q[b]):int(cu_q[b + 1])].tolist() == expected, (b, key)

@@ -31,7 +31,7 @@ def _mx(q, k, v, oq, ok):
 def test_high_precision_forward_backward_match_reference(dtype):
     q, k, v, oq, ok = _inputs(dtype=dtype)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out, lse = ja.jagged_attention(*leaves, oq, ok, causal=True, return_lse=True)
+    out, lse = ja.jagged_attention(*leaves, oq, ok, causal=True, return_lse=True, center_kv=False)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
     deq = [m.dequantize() for m in _mx(q, k, v, oq, ok)]
     ref_out, ref_lse = reference_forward(*deq, oq, ok, causal=True)
@@ -48,7 +48,7 @@ def test_mxfp8_inputs_and_other_forms_agree():
     mq, mk, mv = _mx(q, k, v, oq, ok)
     out_mx = ja.jagged_attention(mq, mk, mv)
     assert out_mx.dtype == torch.bfloat16
-    out = ja.jagged_attention(q, k, v, oq, ok)
+    out = ja.jagged_attention(q, k, v, oq, ok, center_kv=False)  # as quantize_mxfp8 rounds them
     assert torch.equal(out_mx, out.to(torch.bfloat16))
     jagged = ja.jagged_attention(ja.JaggedTensor(q, oq), ja.JaggedTensor(k, ok), ja.JaggedTensor(v, ok))
     fbgemm_values, [fbgemm_offsets] = ja.jagged_attention((q, [oq]), (k, [ok]), (v, [ok]))
@@ -106,7 +106,7 @@ def test_gradient_through_lse(with_dout):
     L_q > L_k) give no gradient whatever their dLSE holds (inf, NaN: zeros, not NaN)."""
     q, k, v, oq, ok = _inputs(lengths_q=(3, 0, 40, 33), lengths_k=(50, 2, 0, 20))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out, lse = ja.jagged_attention(*leaves, oq, ok, causal=True, return_lse=True)
+    out, lse = ja.jagged_attention(*leaves, oq, ok, causal=True, return_lse=True, center_kv=False)
     unseen = torch.isneginf(lse)
     assert unseen.any() and not unseen.all()
     dout = torch.randn_like(out) if with_dout else torch.zeros_like(out)
@@ -338,12 +338,13 @@ def test_token_scaled_v_rules_out_causal_leakage():
     v_bumped = v.clone()
     v_bumped[40] *= 1000.0  # inside the 32-token block [32, 64) of queries 32..39
     for v_scaling, leaks in (("sequence", True), ("token", False)):
-        a = ja.jagged_attention(q, k, v, oq, causal=True, v_scaling=v_scaling)
-        b = ja.jagged_attention(q, k, v_bumped, oq, causal=True, v_scaling=v_scaling)
+        a = ja.jagged_attention(q, k, v, oq, causal=True, v_scaling=v_scaling, center_kv=False)
+        b = ja.jagged_attention(q, k, v_bumped, oq, causal=True, v_scaling=v_scaling, center_kv=False)
         assert torch.equal(a[:40], b[:40]) != leaks, v_scaling
     mx_v = ja.quantize_mxfp8(v, ok, axis="feature")
     out = ja.jagged_attention(ja.quantize_mxfp8(q, oq), ja.quantize_mxfp8(k, ok), mx_v, causal=True)
-    assert torch.equal(out, ja.jagged_attention(q, k, v, oq, causal=True, v_scaling="token").to(torch.bfloat16))
+    assert torch.equal(out, ja.jagged_attention(q, k, v, oq, causal=True, v_scaling="token", center_kv=False).to(
+        torch.bfloat16))
 
 
 @pytest.mark.parametrize("heads_first", [False, True])

@@ -106,7 +106,7 @@ def test_fbgemm_pipeline_dense_to_jagged_quantize_attention_back_to_padded():
     padded = torch.ops.fbgemm.jagged_to_padded_dense(out.float().flatten(1), [offsets], [max_len], 0.0)
     assert padded.shape == (batch, max_len, heads * dim)
     expected, _ = ja.jagged_attention((jagged["q"], [offsets]), (jagged["k"], [offsets]), (jagged["v"], [offsets]),
-                                      causal=True)
+                                      causal=True, center_kv=False)  # K, V rounded as quantize_mxfp8 rounds them
     back = JaggedTensor.from_padded(padded.view(batch, max_len, heads, dim), lengths, use_fbgemm=True).values
     assert relative_l2(back, expected) < 1e-2  # bf16 output rounding only
     assert not padded[1].any() and not padded[0, 3:].any()  # padding rows stay zero

@@ -121,7 +121,8 @@ def test_gpu_training_tracks_the_bf16_curve(fused_producers):
     torch.manual_seed(torch.initial_seed() % 2**31)
     device, dtype = "cuda", torch.bfloat16
     layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, backend="hopper-exact-scores",
-                            fused_producers=fused_producers, device=device, dtype=dtype)
+                            fused_producers=fused_producers, center_kv=not fused_producers, device=device,
+                            dtype=dtype)
     twin = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, device=device, dtype=dtype)
     twin.load_state_dict(layer.state_dict())
     readout = torch.nn.Linear(64, 1, device=device, dtype=dtype)
@@ -166,7 +167,8 @@ def test_distributed_data_parallel_and_meta_init(tmp_path, fused_producers):
     (bf16) through the same."""
     import torch.distributed as dist
 
-    config = dict(num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, fused_producers=fused_producers)
+    config = dict(num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, fused_producers=fused_producers,
+                  center_kv=not fused_producers)
     dtype = torch.bfloat16 if fused_producers else torch.float32
     layer = JaggedAttention(64, **config, dtype=dtype)
     offsets = offsets_from_lengths(torch.tensor([3, 33, 0, 20]))
@@ -194,8 +196,9 @@ def test_distributed_data_parallel_and_meta_init(tmp_path, fused_producers):
 
 def _bf16_pair(fused_config, **config):
     """A bf16 layer with ``fused_producers=True`` and the same layer (same weights) with False."""
-    fused = JaggedAttention(96, **config, **fused_config, fused_producers=True, dtype=torch.bfloat16)
-    plain = JaggedAttention(96, **config, **fused_config, fused_producers=False, dtype=torch.bfloat16)
+    pair = dict(center_kv=False, dtype=torch.bfloat16)
+    fused = JaggedAttention(96, **config, **fused_config, fused_producers=True, **pair)
+    plain = JaggedAttention(96, **config, **fused_config, fused_producers=False, **pair)
     plain.load_state_dict(fused.state_dict())
     return fused, plain
 
@@ -350,7 +353,7 @@ def test_fused_layer_compiles_and_autocasts(monkeypatch):
     x = torch.randn(43, 64, requires_grad=True)
     calls = _calls_of(monkeypatch, "rms_norm_quantize_op")
     layer = JaggedAttention(64, num_heads=2, head_dim=64, causal=True, qk_norm=True, backend="reference",
-                            fused_producers=True, dtype=torch.bfloat16)
+                            fused_producers=True, center_kv=False, dtype=torch.bfloat16)
     out = layer(x.bfloat16(), offsets)
     assert len(calls) == 2
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
@@ -376,12 +379,15 @@ def test_fused_producers_auto_and_obstacles(monkeypatch):
     cases = [(dict(), "bfloat16"), (dict(head_dim=96, dtype=torch.bfloat16), "head dim"),
              (dict(dim=60, head_dim=64, dtype=torch.bfloat16), "multiples of 8")]
     for config, match in cases:
-        layer = JaggedAttention(**{"dim": 64, **config}, num_heads=2, fused_producers=True)
+        layer = JaggedAttention(**{"dim": 64, **config}, num_heads=2, fused_producers=True, center_kv=False)
         with pytest.raises(ValueError, match=match):
             layer(torch.randn(43, layer.dim, dtype=layer.q_proj.weight.dtype), offsets)
     with pytest.raises(ValueError, match="backend must be one of"):
         JaggedAttention(64, num_heads=2, backend="cuda")
-    layer = JaggedAttention(64, num_heads=2, head_dim=64, fused_producers=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="center_kv=False"):
+        JaggedAttention(64, num_heads=2, head_dim=64, fused_producers=True, center_kv=True, dtype=torch.bfloat16)(
+            x, offsets)
+    layer = JaggedAttention(64, num_heads=2, head_dim=64, fused_producers=True, center_kv=False, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="offsets_kv"):
         layer(x, offsets, context=x[:40], offsets_kv=offsets)
 
@@ -401,8 +407,8 @@ def test_gpu_fused_layer_matches_the_plain_path(backend, head_dim, qk_norm, cros
     device = "cuda"
     config = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, kv_dim=256 if cross else None, causal=not cross,
                   qk_norm=qk_norm, backend=backend, device=device)
-    fused = JaggedAttention(512, **config, fused_producers=True, dtype=torch.bfloat16)
-    plain = JaggedAttention(512, **config, fused_producers=False, dtype=torch.bfloat16)
+    fused = JaggedAttention(512, **config, fused_producers=True, center_kv=False, dtype=torch.bfloat16)
+    plain = JaggedAttention(512, **config, fused_producers=False, center_kv=False, dtype=torch.bfloat16)
     plain.load_state_dict(fused.state_dict())
     twin = JaggedAttention(512, **config, dtype=torch.float64)
     twin.load_state_dict({name: p.double() for name, p in fused.state_dict().items()})
@@ -489,6 +495,6 @@ def test_the_layer_refuses_head_dims_its_backend_lacks():
     assert JaggedAttention(192, num_heads=2, head_dim=96, backend="reference")(x, torch.tensor([0, 15, 40])).shape == (
         40, 192)
     fused = JaggedAttention(64, num_heads=2, head_dim=32, backend="hopper-exact-scores", fused_producers=True,
-                            dtype=torch.bfloat16)
+                            center_kv=False, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 32"):
         fused(torch.randn(40, 64, dtype=torch.bfloat16), torch.tensor([0, 15, 40]))

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from attention_oracle import padded_attention
+from jagged_attn.centering import centered_keys_values, uncentered_outputs
 from mx_oracle import e4m3_table, oracle_quantize
 from torch.testing._internal.common_quantized import to_blocked
 
@@ -203,8 +204,9 @@ def test_outputs_saturate_instead_of_overflowing(dtype, causal):
     k = torch.randn(q.shape, generator=generator).to(dtype)
     v = (torch.where(torch.rand(1, 1, 64, generator=generator) < 0.5, -big, big) * torch.ones(q.shape)).to(dtype)
     q, k, v, offsets = (t.to(DEVICE) for t in (q, k, v, offsets))
-    out = ja.jagged_attention(q, k, v, offsets, causal=causal)
+    out = ja.jagged_attention(q, k, v, offsets, causal=causal, center_kv=False)  # as the kernels below round K
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
+    assert torch.equal(ja.jagged_attention(q, k, v, offsets, causal=causal).isfinite(), out.isfinite())
     ratio = out.double() / v.double()  # each row's average of V, rounded: P's e4m3 rounding moves it
     assert 0.9 < float(ratio.min()) and float(ratio.max()) <= 1
     if dtype == torch.float16:  # q and k at fp16's limits too: S stays far inside float32
@@ -313,14 +315,19 @@ def corrupt_offsets(offsets, corruption):
     return o
 
 
-def reference_attention(q, k, v, offsets_q, offsets_k, causal, softmax_scale, out_dtype):
-    """The reference backend's answer composed from its parts: MXFP8 operands dequantized, the
-    reference forward, O cast saturating."""
+def reference_attention(q, k, v, offsets_q, offsets_k, causal, softmax_scale, out_dtype, center_kv=False):
+    """The reference backend's answer composed from its parts: high-precision K and V centered (with
+    ``center_kv``), MXFP8 operands dequantized, the reference forward, O cast saturating, the centers
+    added back."""
+    centered = center_kv and not isinstance(q, ja.MXFP8Jagged)
+    if centered:
+        k, v, k_mean, v_mean = centered_keys_values(k, v, offsets_k)
     operands = [x if isinstance(x, ja.MXFP8Jagged) else ja.quantize_mxfp8(x, o, axis=axis)
                 for x, o, axis in ((q, offsets_q, "feature"), (k, offsets_k, "feature"), (v, offsets_k, "sequence"))]
-    out, _ = reference_forward(*(x.dequantize() for x in operands), offsets_q, offsets_k, causal=causal,
-                               softmax_scale=softmax_scale)
-    return saturating_cast(out, out_dtype)
+    out, lse = reference_forward(*(x.dequantize() for x in operands), offsets_q, offsets_k, causal=causal,
+                                 softmax_scale=softmax_scale)
+    out = saturating_cast(out, out_dtype)
+    return uncentered_outputs(out, lse, q, k_mean, v_mean, offsets_q, softmax_scale)[0] if centered else out
 
 
 ATTENTION_CORRUPTIONS = {  # name: what the error must mention
@@ -362,7 +369,7 @@ def attention_case(data, corruption):
     dim = 48 if corruption == "head_dim" else dim
     shapes = [(int(offsets_q[-1]), heads_q, dim)] + [(int(offsets_k[-1]), heads_kv, dim)] * 2
     q, k, v = (fuzz_values(shape, dtype, kind, generator) for shape, kind in zip(shapes, kinds))
-    flags = dict(causal=causal, softmax_scale=softmax_scale)
+    flags = dict(causal=causal, softmax_scale=softmax_scale, center_kv=draw(st.booleans(), "center_kv"))
     given_k = offsets_k if cross else None
     v_offsets = offsets_k
     if corruption in ("nan_q", "inf_k", "nan_v"):
@@ -413,7 +420,7 @@ def attention_case(data, corruption):
         assert torch.equal(out_offsets, offsets_q)
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
     out_dtype = torch.bfloat16 if form == "mxfp8" else dtype
-    want = reference_attention(*operands, offsets_q, offsets_k, causal, scale, out_dtype)
+    want = reference_attention(*operands, offsets_q, offsets_k, causal, scale, out_dtype, flags["center_kv"])
     assert out.dtype == out_dtype and torch.equal(out, want)
     assert bool(torch.isfinite(out).all())
     if kinds == ["normal"] * 3 and dtype == torch.float32 and form != "mxfp8":  # an oracle sharing no code
