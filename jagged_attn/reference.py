@@ -105,7 +105,10 @@ def softmax_delta(dout, out, dlse=None, dtype=torch.float32):
 
     With scores s (scaled), dL/ds = P * (dP - rowsum(dO * O)) through O and dLSE * P through the LSE
     (d lse_i / d s_ij = P_ij), so a gradient of the LSE enters the backward only here. ``dlse``
-    ``[total_q, Hq]`` or None (no gradient through the LSE)."""
+    ``[total_q, Hq]`` or None (no gradient through the LSE). The backends pass dO's feature-axis MX
+    values, the dO that dP = dO V^T uses: Delta then stands for rowsum(P * dP) without dO's rounding
+    between the two, which moves dQ and dK closer to exact attention on every input family (the
+    gap dP - Delta is small where attention is peaked, and dO's rounding was most of it)."""
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
     return delta if dlse is None else delta - dlse.to(dtype)
 
@@ -131,7 +134,7 @@ def reference_backward(
     v_feat = _fake_quantize(v, offsets_k, "feature", fp8)
     do_feat = _fake_quantize(dout, offsets_q, "feature", fp8)
     do_seq = _fake_quantize(dout, offsets_q, "sequence", fp8)
-    delta = softmax_delta(dout, out, dlse, compute_dtype)  # [Tq, Hq]
+    delta = softmax_delta(do_feat, out, dlse, compute_dtype)  # [Tq, Hq], from the dO that dP uses
 
     dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)

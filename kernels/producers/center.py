@@ -98,7 +98,9 @@ def _slots(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tenso
 
 def slot_partials(values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, largest magnitudes): fp32 ``[slots, H, D]`` of each 128-token slot of ``values [total, H, D]``
-    (bf16/fp16/fp32), offsets valid for its rows; sequence b owns slots ``first_slots(offsets)[b:b + 2]``."""
+    (bf16/fp16/fp32, any strides), offsets valid for its rows; sequence b owns slots
+    ``first_slots(offsets)[b:b + 2]``."""
+    values = values.contiguous()  # the kernels index rows of [total, H, D] as laid out densely
     total, heads, dim = values.shape
     table = slot_table(offsets, total)
     sums = torch.empty(table.shape[0], heads, dim, dtype=torch.float32, device=values.device)
@@ -110,7 +112,9 @@ def slot_partials(values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Te
 
 
 def shifted(values: torch.Tensor, centers: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``values [total, H, D] - centers [B, H, D]`` (fp32) of each row's sequence, in the values' dtype."""
+    """``values [total, H, D] - centers [B, H, D]`` (fp32) of each row's sequence, in the values' dtype
+    (contiguous, whatever the values' strides)."""
+    values, centers = values.contiguous(), centers.contiguous()
     total, heads, dim = values.shape
     out = torch.empty_like(values)
     table, sequence = _slots(offsets, total)
@@ -122,7 +126,8 @@ def shifted(values: torch.Tensor, centers: torch.Tensor, offsets: torch.Tensor) 
 
 def unshifted_outputs(out, lse, q, k_centers, v_centers, offsets_q, softmax_scale: float):
     """(out + v_centers, lse + scale * q . k_centers) per query row, as ``centering.uncentered_outputs``:
-    out, q ``[total_q, Hq, D]``, lse fp32 ``[total_q, Hq]``, centers fp32 ``[B, Hkv, D]``."""
+    out, q ``[total_q, Hq, D]``, lse fp32 ``[total_q, Hq]``, centers fp32 ``[B, Hkv, D]`` (any strides)."""
+    out, lse, q, k_centers, v_centers = (x.contiguous() for x in (out, lse, q, k_centers, v_centers))
     total, heads, dim = q.shape
     new_out, new_lse = torch.empty_like(out), torch.empty_like(lse)
     table, sequence = _slots(offsets_q, total)

@@ -655,7 +655,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     do_feature, do_sequence = quantize_mxfp8_dual(dout, offsets_q)
     k_feature, k_sequence = quantize_mxfp8_dual(k, offsets_k)
     v_feature = quantize_mxfp8(v, offsets_k, axis="feature")
-    delta = softmax_delta(dout, out, dlse)
+    delta = softmax_delta(do_feature.dequantize(), out, dlse)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     batch = offsets_q.numel() - 1
