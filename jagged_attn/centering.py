@@ -44,12 +44,13 @@ def sequence_centers(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     exceeds half its dtype's range (x - mean could then overflow; any shift is exact, none included)."""
     bounded = bounded_offsets(offsets, x.shape[0])
     if _on_kernels(x):  # per-slot partials, then a reduction over each sequence's slots
-        sums, amax = kernels.slot_partials(x, bounded)
-        bounded_slots = kernels.first_slots(bounded)
-    else:
-        sums, amax, bounded_slots = _wide(x), _wide(x).abs(), bounded
-    sums = torch.segment_reduce(sums, "sum", offsets=bounded_slots, axis=0, initial=0)
-    amax = torch.segment_reduce(amax, "max", offsets=bounded_slots, axis=0, initial=0)
+        sums, amax = kernels.slot_partials(x, offsets)  # the slot table kept for this offsets tensor
+        segments = kernels.first_slots(bounded)
+    else:  # a reduction over each sequence's rows
+        sums = _wide(x)
+        amax, segments = sums.abs(), bounded
+    sums = torch.segment_reduce(sums, "sum", offsets=segments, axis=0, initial=0)
+    amax = torch.segment_reduce(amax, "max", offsets=segments, axis=0, initial=0)
     means = sums / lengths_of(bounded).clamp_min(1).to(sums.dtype)[:, None, None]
     return torch.where(amax <= torch.finfo(x.dtype).max / 2, means, 0.0)
 

@@ -207,15 +207,14 @@ def jagged_attention(
         if quantized:
             out, lse = ops.mxfp8_attention_op(q.data, q.scales, k.data, k.scales, v.data, v.scales, offsets_q,
                                               offsets_k, bool(causal), softmax_scale, name, v_axis)
-        elif center_kv:  # K and V quantized as offsets from their sequence means (centering.py)
-            if _under_autocast(device):  # centered in the dtype the attention runs them in
-                q, k, v = ops.autocast_inputs(device.type, q, k, v)
-            k, v, k_mean, v_mean = centered_keys_values(k, v, offsets_k)
-            out, lse = ops.attention_op(q.contiguous(), k, v, offsets_q, offsets_k, bool(causal), softmax_scale, name,
-                                        bool(deterministic), v_axis, check_finite)
-            out, lse = uncentered_outputs(out, lse, q, k_mean, v_mean, offsets_q, softmax_scale)
         else:
+            if center_kv:  # K and V quantized as offsets from their sequence means (centering.py)
+                if _under_autocast(device):  # centered in the dtype the attention runs them in
+                    q, k, v = ops.autocast_inputs(device.type, q, k, v)
+                k, v, k_mean, v_mean = centered_keys_values(k, v, offsets_k)
             out, lse = ops.attention_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets_q, offsets_k,
                                         bool(causal), softmax_scale, name, bool(deterministic), v_axis, check_finite)
+            if center_kv:
+                out, lse = uncentered_outputs(out, lse, q, k_mean, v_mean, offsets_q, softmax_scale)
     out = pack(out if heads is None else out.flatten(1), offsets_q)
     return (out, lse) if return_lse else out

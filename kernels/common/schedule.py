@@ -43,6 +43,18 @@ def tile_slots(total_rows: int, batch: int, block: int) -> int:
 
 
 @triton.jit
+def claimed_tile(tiles, offsets, BLOCK: tl.constexpr, LANES: tl.constexpr):
+    """(sequence, tile, sequence start, sequence length, the tile's ``BLOCK`` rows inside the sequence, lane)
+    of this program's slot of a :func:`tile_list` table ``tiles`` (grid: slots x LANES, lanes fastest:
+    ``layout.slot_program``); sequence ``EMPTY_SLOT`` marks an unused slot (the rest is then meaningless)."""
+    slot, lane = layout.slot_program(LANES)
+    seq = tl.load(tiles + 2 * slot)
+    tile = tl.load(tiles + 2 * slot + 1)
+    start, length = layout.sequence_span(offsets, tl.maximum(seq, 0))
+    return seq, tile, start, length, tile * BLOCK + tl.arange(0, BLOCK), lane
+
+
+@triton.jit
 def _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr):
     """Columns that the most-seeing row of a tile visits (bottom-right causal alignment).
 

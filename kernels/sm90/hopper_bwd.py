@@ -74,10 +74,9 @@ from ..common.layout import (
     scale_inverse,
     scale_value,
     sequence_span,
-    slot_program,
     store_sequence_copy,
 )
-from ..common.schedule import SLOT_TOKENS, slot_tiles
+from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 # Warps of the producer's two passes (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms with four each
@@ -119,13 +118,9 @@ def _producer_program(offsets_ptr, tiles_ptr, HEADS: tl.constexpr):
     """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (slots of
     the ``schedule.tile_list`` table ``tiles`` x HEADS, heads fastest: ``layout.slot_program``); an
     unused slot has length 0, and a tile at or past the sequence's length has nothing to do."""
-    slot, h = slot_program(HEADS)
-    b = tl.load(tiles_ptr + 2 * slot)
-    tile = tl.load(tiles_ptr + 2 * slot + 1)
+    b, tile, seq_start, seq_len, _, h = claimed_tile(tiles_ptr, offsets_ptr, 1, HEADS)
     used = b >= 0
-    b = tl.maximum(b, 0)
-    seq_start, seq_len = sequence_span(offsets_ptr, b)
-    return tl.maximum(tile, 0), b, h, seq_start, tl.where(used, seq_len, 0)
+    return tl.maximum(tile, 0), tl.maximum(b, 0), h, seq_start, tl.where(used, seq_len, 0)
 
 
 @triton.jit

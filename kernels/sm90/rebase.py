@@ -45,7 +45,7 @@ from jagged_attn.offsets import padded_total
 
 from ..common import fp8, layout, reuse
 from ..producers.quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
-from ..common.schedule import SLOT_TOKENS, slot_tiles
+from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
 # One padded slot: whole MX blocks (sequence-axis blocks never straddle programs), one whole key tile (PV_KEY_BITS).
 TOKENS_PER_PROGRAM = SLOT_TOKENS
@@ -154,7 +154,7 @@ def _rebase_feature_kernel(
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
     CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``."""
-    seq, tile, start, length, _, head = _claimed_tile(work, offsets, BLOCK_T, HEADS)
+    seq, tile, start, length, _, head = claimed_tile(work, offsets, BLOCK_T, HEADS)
     if seq < 0:
         return
     slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
@@ -212,18 +212,6 @@ def _largest_magnitude(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _claimed_tile(work, offsets, BLOCK_T: tl.constexpr, LANES: tl.constexpr):
-    """(sequence, tile, sequence start, sequence length, the tile's rows, lane) of this program's slot
-    of ``schedule.tile_list`` (grid: slots x LANES, lanes fastest: ``layout.slot_program``); sequence -1
-    marks an unused slot (the rest is then meaningless)."""
-    slot, lane = layout.slot_program(LANES)
-    seq = tl.load(work + 2 * slot)
-    tile = tl.load(work + 2 * slot + 1)
-    start, length = layout.sequence_span(offsets, tl.maximum(seq, 0))
-    return seq, tile, start, length, tile * BLOCK_T + tl.arange(0, BLOCK_T), lane
-
-
-@triton.jit
 def _row_elements(head, start, rows, channels, HEADS: tl.constexpr, D: tl.constexpr):
     """Element offsets ``[len(rows), len(channels)]`` of one head at rows ``start + rows`` of ``[total, HEADS, D]``."""
     return (start + rows)[:, None] * (HEADS * D) + head * D + channels[None, :]
@@ -250,9 +238,9 @@ def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, cha
 @triton.jit
 def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr):
-    """:func:`_claimed_tile` of a sequence-axis program (grid: work slots x heads x chunks of ``BLOCK_D``
+    """:func:`schedule.claimed_tile` of a sequence-axis program (grid: work slots x heads x chunks of ``BLOCK_D``
     channels, chunks fastest) with (head, its channels, their ``exponent [H, B, D]`` entries)."""
-    seq, tile, start, length, rows, lane = _claimed_tile(work, offsets, BLOCK_T, HEADS * (D // BLOCK_D))
+    seq, tile, start, length, rows, lane = claimed_tile(work, offsets, BLOCK_T, HEADS * (D // BLOCK_D))
     head = lane // (D // BLOCK_D)
     channels = lane % (D // BLOCK_D) * BLOCK_D + tl.arange(0, BLOCK_D)
     entries = exponent + (head.to(tl.int64) * batch + tl.maximum(seq, 0)) * D + channels
