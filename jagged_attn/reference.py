@@ -2,9 +2,9 @@
 
 It is the oracle every kernel is tested against, so it is written for obviousness, one sequence
 at a time. Inputs are the dequantized MXFP8 operands (exact float32 values); S and the softmax run
-in ``compute_dtype`` (float32, or float64 for tests); P = exp2(s - ceil(rowmax)) is cast to e4m3 on the
-static 2^8 scale while the row sum uses the unquantized P (docs/DESIGN.md section 3; the integer row
-max is our refinement, see ``_softmax_parts``). ``fp8=False`` turns every
+in ``compute_dtype`` (float32, or float64 for tests); P = exp2(s - rowmax) is cast to e4m3 on the
+static 2^8 scale while the row sum uses the unquantized P (docs/DESIGN.md section 3, and
+``_softmax_parts`` for why the row max is not rounded). ``fp8=False`` turns every
 quantization off, giving exact attention (used to gradcheck the backward formulas).
 """
 
@@ -49,16 +49,21 @@ def _reduce_kv(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
 
 
 def _softmax_parts(q, k, mask, softmax_scale):
-    """Scores in log2 units, the row max rounded up to an integer (0 where no key is visible), and
-    unquantized P = exp2(s - max) in (1/2, 1] at its largest.
+    """Scores in log2 units, the row max (0 where no key is visible), and unquantized P = exp2(s - max),
+    exactly 1 at each row's largest score.
 
-    Rounding the max up to an integer makes every rescale in an online softmax an exact power of
-    two, which commutes with the e4m3 cast of P: a one-pass kernel that meets the keys in any order
-    then rounds P exactly as this two-pass definition does.
+    That largest P is exact in e4m3, and it is what the backward's Delta = rowsum(dO * O) leans on
+    where attention is peaked: there dS = P * (dP - Delta) is the small difference of two near-equal
+    terms, and a rounded P_max (a row max rounded up to an integer left it anywhere in (1/2, 1], up to
+    3% off) puts its rounding into O and so into Delta but not into the backward's unrounded P, an
+    error that swamps that difference (dQ off by 30-50% on a trained LM's layers, docs/DESIGN.md).
+    A one-pass kernel rounds each key tile's P against the running max of the keys met so far, not
+    this final one: the same rounding rule on a different grid, so it agrees with this definition to
+    P's rounding noise, not bit for bit.
     """
     s2 = torch.einsum("qhd,khd->hqk", q, k) * (softmax_scale * LOG2E)
     s2 = s2.masked_fill(~mask, -math.inf)
-    m2 = torch.ceil(s2.amax(-1, keepdim=True))
+    m2 = s2.amax(-1, keepdim=True)
     m2 = torch.where(torch.isfinite(m2), m2, torch.zeros_like(m2))
     return s2, m2, torch.exp2(s2 - m2)
 
@@ -105,10 +110,7 @@ def softmax_delta(dout, out, dlse=None, dtype=torch.float32):
 
     With scores s (scaled), dL/ds = P * (dP - rowsum(dO * O)) through O and dLSE * P through the LSE
     (d lse_i / d s_ij = P_ij), so a gradient of the LSE enters the backward only here. ``dlse``
-    ``[total_q, Hq]`` or None (no gradient through the LSE). The backends pass dO's feature-axis MX
-    values, the dO that dP = dO V^T uses: Delta then stands for rowsum(P * dP) without dO's rounding
-    between the two, which moves dQ and dK closer to exact attention on every input family (the
-    gap dP - Delta is small where attention is peaked, and dO's rounding was most of it)."""
+    ``[total_q, Hq]`` or None (no gradient through the LSE)."""
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
     return delta if dlse is None else delta - dlse.to(dtype)
 
@@ -134,7 +136,7 @@ def reference_backward(
     v_feat = _fake_quantize(v, offsets_k, "feature", fp8)
     do_feat = _fake_quantize(dout, offsets_q, "feature", fp8)
     do_seq = _fake_quantize(dout, offsets_q, "sequence", fp8)
-    delta = softmax_delta(do_feat, out, dlse, compute_dtype)  # [Tq, Hq], from the dO that dP uses
+    delta = softmax_delta(dout, out, dlse, compute_dtype)  # [Tq, Hq]
 
     dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)

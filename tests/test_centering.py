@@ -8,6 +8,7 @@ import torch
 
 import jagged_attn as ja
 from attention_oracle import padded_attention
+from compile_util import compile_ptx
 from jagged_attn import centering
 from jagged_attn.centering import centered_keys_values, sequence_centers, uncentered_outputs
 from jagged_attn.kernels.common.interpreter import INTERPRETED
@@ -153,6 +154,28 @@ def test_kernels_match_the_torch_forms(lengths, heads_q, heads_kv, dim):
         pytest.skip("the Triton kernels need CUDA or the interpreter")
     check_kernels_match_the_torch_forms("cpu" if INTERPRETED else "cuda", torch.bfloat16, lengths, heads_q, heads_kv,
                                         dim)
+
+
+CENTER_KERNEL_SIGNATURES = {  # pointer arguments and their element types; the rest are constexprs
+    "_partials_kernel": dict(values="*bf16", tiles="*i32", offsets="*i64", sums="*fp32", amax="*fp32"),
+    "_shift_kernel": dict(values="*bf16", out="*bf16", centers="*fp32", tiles="*i32", offsets="*i64"),
+    "_unshift_kernel": dict(out="*bf16", lse="*fp32", q="*bf16", new_out="*bf16", new_lse="*fp32",
+                            k_centers="*fp32", v_centers="*fp32", tiles="*i32", offsets="*i64", softmax_scale="fp32"),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(CENTER_KERNEL_SIGNATURES))
+def test_center_kernels_compile_for_sm90(kernel):
+    """What the interpreter lets pass and a GPU build does not (a kernel reading a plain Python global,
+    say) shows here, without a GPU: each centering kernel compiles for sm_90."""
+    constexprs = {"HEADS": 8, "D": 128, "GROUP": 4, "INTERPRET": False}
+    fn = getattr(center_kernels, kernel)
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+    signature = {**CENTER_KERNEL_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
+    assert set(signature) == set(fn.arg_names)
+    ptx = compile_ptx("jagged_attn.kernels.producers.center", kernel, signature, constexprs, arch=90,
+                      num_warps=center_kernels.NUM_WARPS)
+    assert ".entry" in ptx
 
 
 @pytest.mark.gpu

@@ -84,10 +84,10 @@ def rows_check_worker(seed):
 
 
 def mxfp8_worker(seed):
-    """The public call with the reference backend (fp32), uncentered: O where every shard boundary falls on a
-    32-token block boundary of V to fp32 rounding; elsewhere as far from fp64 attention as the whole call,
-    gradients too. Centered (the default: each key part on its own means), as far from fp64 attention as the
-    whole call."""
+    """The public call with the reference backend (fp32), centered (each key part on its own means) or not:
+    the LSE, uncentered, to fp32 rounding; O and the gradients as far from fp64 attention as the whole call
+    (each part rounds P against its own row maximum, V in blocks from the shard's first token, dO times its
+    merge weight: the same rules on other grids)."""
     torch.manual_seed(seed)
     world = dist.get_world_size()
 
@@ -112,8 +112,6 @@ def mxfp8_worker(seed):
         assert torch.equal(torch.isfinite(got[1]), seen)
         if not center_kv:
             assert relative_l2(got[1][seen], want[1][seen]) < 1e-5
-        if lengths is aligned:
-            assert relative_l2(got[0], want[0]) < 1e-5
         for name, g, w, t in zip(("out", "lse", "dq", "dk", "dv"), got, want, truth):
             if name != "lse" and t.numel():
                 assert torch.isfinite(g).all(), name

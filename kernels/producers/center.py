@@ -26,6 +26,7 @@ from ..common.interpreter import INTERPRETED
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
 NUM_WARPS = 4
+_SLOT_ROWS = tl.constexpr(SLOT_TOKENS)  # a global read inside a kernel must be a constexpr instance
 
 
 @triton.constexpr_function
@@ -38,7 +39,7 @@ def _slot_tile(tiles, offsets, HEADS: tl.constexpr, D: tl.constexpr):
     """(slot, sequence (0 for an unused slot), head, element offsets [SLOT, D'] in ``[total, HEADS, D]``
     values, inside [SLOT, D'], token rows [SLOT], in_seq [SLOT], channels [D'] (D rounded up to a power of
     two), in_d [D'])."""
-    seq, _, start, length, rows, head = claimed_tile(tiles, offsets, SLOT_TOKENS, HEADS)
+    seq, _, start, length, rows, head = claimed_tile(tiles, offsets, _SLOT_ROWS, HEADS)
     in_seq = (rows < length) & (seq >= 0)
     channels = tl.arange(0, _power_of_two_at_least(D))
     in_d = channels < D

@@ -10,8 +10,8 @@ spec-faithful cross-check of the fast kernels.
 The arithmetic is the reference backend's (``jagged_attn.reference``), so that the only
 difference is the fp32 accumulation order:
 
-* P = exp2(s - ceil(rowmax)) uses the *final* row max rounded up to an integer, as the reference,
-  so the forward makes two passes over the keys (row max, then P, row sum and P V); P is cast to
+* P = exp2(s - rowmax) uses the *final* row max, as the reference, so the forward makes two
+  passes over the keys (row max, then P, row sum and P V); P is cast to
   e4m3 as P * 2^8 with the static scale byte 127 - 8, the row sum uses the unquantized P.
 * The backward recomputes P = exp(S - LSE); dS = P * (dP - Delta) is quantized with one scale per
   32 x 32 tile, replicated over the tile's 32 rows because ``dot_scaled`` takes one scale per
@@ -184,9 +184,8 @@ def forward_kernel(
         mask = visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL)
         s = scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2)
         row_max = tl.maximum(row_max, tl.max(s, axis=1))
-    # integer row max, as the reference (it makes P's rounding independent of the key order);
-    # rows that see no key: P = 0
-    row_max = tl.where(row_max == float("-inf"), 0.0, tl.ceil(row_max))
+    # the final row max, as the reference; rows that see no key: P = 0
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
 
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -655,7 +654,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     do_feature, do_sequence = quantize_mxfp8_dual(dout, offsets_q)
     k_feature, k_sequence = quantize_mxfp8_dual(k, offsets_k)
     v_feature = quantize_mxfp8(v, offsets_k, axis="feature")
-    delta = softmax_delta(do_feature.dequantize(), out, dlse)
+    delta = softmax_delta(dout, out, dlse)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     batch = offsets_q.numel() - 1

@@ -188,8 +188,7 @@ def _quantize_kernel(
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
     stored transposed (tokens in the ``layout`` ORDER inside each slot: as the Gluon kernel reads
     them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
-    fold that scale into dS instead). DELTA (for dO, with FEATURE): ``rowsum(dO * O)`` of dO's MX values
-    (``reference.softmax_delta``) and
+    fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
     no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (the Gluon
     kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end.
@@ -210,13 +209,9 @@ def _quantize_kernel(
         x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
         tokens = seq_start + rows
         padded_rows = rows_ptr + h * padded + padded_seq_start(seq_start, b) + rows  # vector 0 of this head
-        if FEATURE:
-            byte = _token_scale_byte(x)
-        if DELTA:  # first, so that O's tile is dead before the copies are formed; FEATURE is on with it
+        if DELTA:  # first, so that O's tile is dead before the copies are formed
             o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-            # from dO's MX values, the dO that dP = dO V^T uses: zero past the end (x, o load as zeros there)
-            mx_values = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET).to(tl.float32)
-            delta = tl.sum(mx_values * scale_value(byte)[:, None] * o, axis=1)
+            delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
             if DLSE:
                 delta -= tl.load(dlse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
             tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
@@ -229,6 +224,7 @@ def _quantize_kernel(
                 q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
                 tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
         if FEATURE:
+            byte = _token_scale_byte(x)
             data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
             if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
                 data = data.to(tl.float32) * scale_value(byte)[:, None]

@@ -7,11 +7,11 @@ leave the MMAs: Q's per-row and K's per-tile factors fold into the softmax scale
 V's scale each output channel in the epilogue. (A per-key factor would cost a broadcast column
 vector, ~32 registers per thread, and spilled at 128x128 tiles.)
 
-The softmax runs online in the exp2 domain with the running row maximum rounded up to an
-integer. P = ``exp2(s - m + 8)`` lies in (0, 256] and is cast to e4m3 on that static 2^8 scale
-(``mx_format.P_STATIC_EXP``); the row sum uses the unrounded P. Because ``m`` only moves by whole
-powers of two, rescaling earlier tiles never changes how their P was rounded: the result equals
-quantizing P once against the final (rounded-up) row maximum, whatever the tile order.
+The softmax runs online in the exp2 domain with the running row maximum ``m``. P = ``exp2(s - m + 8)``
+lies in (0, 256], 256 exactly at the row's largest score so far, and is cast to e4m3 on that static
+2^8 scale (``mx_format.P_STATIC_EXP``); the row sum uses the unrounded P. A tile's P is rounded
+against the maximum of the keys met so far (``reference._softmax_parts`` says why the maximum is
+not rounded to an integer).
 
 One program computes one (query tile, head): KV tiles that every row of the tile sees run
 without masks, the diagonal (causal) and ragged-end tiles with them. Programs are launched in
@@ -103,7 +103,7 @@ def _attend_tiles(
         if MASKED:
             cols = col0 + tl.arange(0, BLOCK_N)
             s = tl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
-        new_max = tl.maximum(row_max, tl.ceil(tl.max(s, axis=1)))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(s - (new_max - layout.P_STATIC_EXP)[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)

@@ -95,7 +95,7 @@ def _scores_to_probabilities(s, row_scale, k_tile_factor, row_max, row_sum, col0
     if masked:
         cols = col0 + gl.arange(0, BLOCK_N, layout=s_cols)
         s = gl.where(cols[None, :] <= last_col[:, None], s, -float("inf"))
-    new_max = gl.maximum(row_max, gl.ceil(_row_reduce(s, True, s_rows, ROW_TREE) * scale))
+    new_max = gl.maximum(row_max, _row_reduce(s, True, s_rows, ROW_TREE) * scale)
     alpha = gl.exp2(row_max - new_max)
     p = gl.exp2(gl.fma(s, scale[:, None], (layout.P_STATIC_EXP - new_max)[:, None]))
     return p, alpha, new_max, row_sum * alpha + _row_reduce(p, False, s_rows, ROW_TREE)
