@@ -174,35 +174,51 @@ def next_byte_loss(model, tokens, offsets, attend) -> torch.Tensor:
     return F.cross_entropy(logits[:-1][predicted[1:]].float(), tokens[1:][predicted[1:]])
 
 
-def train(attn: str, args, train_batches, val_batches, device) -> dict:
-    """One run: losses every ``--log-every`` steps, final validation loss, median step time."""
+def _autocast(device):
+    """float32 weights and optimizer state; on CUDA the matmuls in bf16."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def training_setup(args, device):
+    """(model, optimizer, schedule) from ``--seed``: the same initial weights for every attention choice."""
     torch.manual_seed(args.seed)
     model = ByteLM(args.dim, args.layers, args.heads, args.kv_heads, args.head_dim, args.qk_norm).to(device)
-    # float32 weights and optimizer state; on CUDA the matmuls in bf16 (autocast)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
         1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, args.steps - warmup))))))
+    return model, optimizer, schedule
+
+
+def training_step(model, optimizer, schedule, batch, attend, device) -> torch.Tensor:
+    """One AdamW step on ``batch`` (tokens, offsets), gradients clipped to norm 1; returns the loss."""
+    tokens, offsets = (x.to(device) for x in batch)
+    with _autocast(device):
+        loss = next_byte_loss(model, tokens, offsets, attend)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    return loss.detach()
+
+
+def train(attn: str, args, train_batches, val_batches, device) -> dict:
+    """One run: losses every ``--log-every`` steps, final validation loss, median step time."""
+    model, optimizer, schedule = training_setup(args, device)
+    autocast = _autocast(device)
     attend = attention_function(attn, args.center_kv)
     log, times = [], []
     for step in range(args.steps):
-        tokens, offsets = (x.to(device) for x in train_batches[step % len(train_batches)])
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with autocast:
-            loss = next_byte_loss(model, tokens, offsets, attend)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+        loss = training_step(model, optimizer, schedule, train_batches[step % len(train_batches)], attend, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         if step % args.log_every == 0 or step == args.steps - 1:
-            log.append((step, float(loss.detach())))
+            log.append((step, float(loss)))
             print(f"[{attn}] step {step:5d} loss {log[-1][1]:.4f}", flush=True)
     model.eval()
     with torch.no_grad(), autocast:
