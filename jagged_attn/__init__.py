@@ -6,8 +6,9 @@ from .flash_attn import flash_attn_varlen_func
 from .interface import jagged_attention
 from .jagged import JaggedTensor
 from .merge import merge_attention
-from .mxfp8 import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_dual
+from .mxfp8 import MXFP8Jagged, dequantize_mxfp8
 from .offsets import value_checks
+from .quantize import quantize_mxfp8, quantize_mxfp8_dual
 from .serialization import load, save
 
 __all__ = [

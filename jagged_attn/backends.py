@@ -42,7 +42,8 @@ import torch
 
 from .devices import on_device_of
 from .mx_format import saturating_cast
-from .mxfp8 import checked_after, largest_magnitudes, quantize_mxfp8
+from .mxfp8 import checked_after, largest_magnitudes
+from .quantize import quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
 BACKENDS = ("auto", "reference", "hopper", "hopper-exact-scores", "block-scaled")

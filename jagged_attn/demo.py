@@ -11,7 +11,7 @@ from .backends import auto_backend_name
 from .interface import jagged_attention
 from .jagged import JaggedTensor
 from .metrics import cosine, relative_l2
-from .mxfp8 import quantize_mxfp8
+from .quantize import quantize_mxfp8
 from .reference import reference_backward, reference_forward
 
 DEFAULT_LENGTHS = (0, 1, 31, 33, 128, 129, 257, 700)

@@ -29,9 +29,12 @@ import torch
 
 from .backends import get_backend
 from .devices import on_device_of
-from .mxfp8 import MXFP8Jagged, checked_after, quantize_flagging_nonfinite, scale_matrix_shape
+from .kernels.producers.linear_quantize import linear_quantize
+from .kernels.producers.rmsnorm_quantize import rms_norm_quantize
+from .mxfp8 import MXFP8Jagged, checked_after, scale_matrix_shape
 from .offsets import value_checks
 from .ops import attention_gradients, save_for_attention_backward
+from .quantize import quantize_flagging_nonfinite
 from .scale_layout import tiled_bytes
 
 
@@ -52,8 +55,6 @@ def linear_quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 ``x [total, in]``, ``weight [heads * D, in]`` -> (y bf16 ``[total, heads, D]``, e4m3 data, e8m0 scales,
     the NaN/Inf flag of y)."""
-    from .kernels.producers.linear_quantize import linear_quantize
-
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
     with on_device_of(x):
         mx, y = linear_quantize(x, weight, offsets, heads=heads, bias=bias, nonfinite=nonfinite)
@@ -96,8 +97,6 @@ def rms_norm_quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [total, H, D]``, ``weight [D]`` -> (normalized like x, rstd fp32 ``[total, H]``, e4m3 data, e8m0 scales,
     the NaN/Inf flag of the normalized values)."""
-    from .kernels.producers.rmsnorm_quantize import rms_norm_quantize
-
     nonfinite = torch.zeros(1, dtype=torch.float32, device=x.device)
     with on_device_of(x):
         mx, normalized, rstd = rms_norm_quantize(x, weight, offsets, eps=eps, nonfinite=nonfinite)

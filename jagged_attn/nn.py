@@ -8,6 +8,8 @@ from torch import nn
 from . import fused_ops
 from .backends import HOPPER_BACKENDS, auto_backend_name, backend_name, check_head_dim
 from .interface import check_offsets_pair, jagged_attention, resolve_softmax_scale
+from .kernels.common.interpreter import INTERPRETED
+from .kernels.producers import linear_quantize
 from .offsets import skip_value_check
 
 
@@ -129,13 +131,9 @@ class JaggedAttention(nn.Module):
         if dtype != torch.bfloat16:
             return f"the producers compute in bfloat16, this layer in {dtype} (use bf16 parameters or autocast)"
         if not x.is_cuda:
-            from .kernels.common.interpreter import INTERPRETED
-
             if not INTERPRETED:
                 return f"the producer kernels need CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}"
         if not self.qk_norm:  # the quantizing GEMM's own shape rules
-            from .kernels.producers import linear_quantize
-
             try:
                 linear_quantize._check_head_dim(self.num_heads * self.head_dim, self.num_heads)
             except ValueError as error:

@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import mx_format
-from .mxfp8 import quantize_mxfp8
+from .quantize import quantize_mxfp8
 from .offsets import bounded_offsets
 
 LOG2E = 1.0 / math.log(2.0)

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_lm  # noqa: E402
 from jagged_attn import mx_format  # noqa: E402
-from jagged_attn.mxfp8 import quantize_mxfp8  # noqa: E402
+from jagged_attn.quantize import quantize_mxfp8  # noqa: E402
 from jagged_attn.reference import visible_mask  # noqa: E402
 
 # Each operand by the GEMM that reads it: forward q_f, k_f (S), p, v_s (P V); backward do_f, v_f (dP),

@@ -18,7 +18,7 @@ from jagged_attn.kernels.common import layout
 from jagged_attn.kernels.sm90 import hopper_bwd, hopper_bwd_ws
 from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
-from jagged_attn.mxfp8 import quantize_mxfp8
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.kernels.common.schedule import slot_tiles, tile_list
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.reference import reference_backward, reference_forward

@@ -294,7 +294,7 @@ def test_prequantized_attention_equals_quantizing_inside(backend):
     """Equal MXFP8 operands give bit-identical attention: Q and K quantized beforehand
     (``quantize_mxfp8``, what the producers emit bit for bit) or inside the attention."""
     from jagged_attn import fused_ops, ops
-    from jagged_attn.mxfp8 import quantize_mxfp8
+    from jagged_attn.quantize import quantize_mxfp8
 
     offsets_q = offsets_from_lengths(torch.tensor([1, 0, 33, 70]))
     offsets_k = offsets_from_lengths(torch.tensor([31, 5, 0, 129]))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from jagged_attn.mxfp8 import quantize_mxfp8
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
 from jagged_attn.preprocess import PADDED_ROWS_PER_TOKEN, inspect_file, preprocess_file, sequence_chunks
 from jagged_attn.serialization import Entry, MXFP8FileWriter, load, save

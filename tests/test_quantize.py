@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from jagged_attn import MXFP8Jagged, dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_dual
+from jagged_attn import quantize as quantizers
 from jagged_attn.mx_format import cast_e4m3, scale_bytes
 from mx_oracle import oracle_quantize, round_e4m3, scale_exponent
 
@@ -187,13 +188,11 @@ def test_chunked_eager_quantizer_is_bit_identical(lengths, chunk_rows, axis, rou
     """The CPU quantizers work in chunks of ``EAGER_CHUNK_VALUES`` input values (whole 32-token blocks of
     padded rows on the sequence axis), so that memory follows the chunk and not the input: any chunk
     size gives the bytes of one chunk for the whole tensor."""
-    from jagged_attn import mxfp8
-
     offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
     values = torch.randn(int(offsets[-1]), 2, 64, dtype=torch.bfloat16) * torch.rand(int(offsets[-1]), 1, 1) * 50
     whole = quantize_mxfp8(values, offsets, axis=axis, rounding=rounding)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mxfp8, "EAGER_CHUNK_VALUES", chunk_rows * 2 * 64)
+        patch.setattr(quantizers, "EAGER_CHUNK_VALUES", chunk_rows * 2 * 64)
         chunked = quantize_mxfp8(values, offsets, axis=axis, rounding=rounding)
     assert torch.equal(chunked.data.view(torch.uint8), whole.data.view(torch.uint8))
     assert torch.equal(chunked.scales.view(torch.uint8), whole.scales.view(torch.uint8))

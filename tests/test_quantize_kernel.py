@@ -14,6 +14,7 @@ from jagged_attn.kernels.producers import quantize as qk
 from jagged_attn.kernels.common.interpreter import INTERPRETED
 
 from jagged_attn import mx_format, mxfp8, quantize_mxfp8
+from jagged_attn import quantize as quantizers
 from jagged_attn.offsets import offsets_from_lengths
 
 RAGGED = [0, 1, 31, 32, 33, 127, 128, 129, 300]
@@ -45,7 +46,7 @@ def poisoned_outputs(values, offsets, axes):
 def torch_reference(values, offsets, axis, rounding):
     """(e4m3 data, uint8 tiled scales) from the torch path of ``quantize_mxfp8`` (the only one on CPU;
     on CUDA ``quantize_mxfp8`` runs the kernel under test), on the values' device."""
-    quantize = mxfp8._quantize_feature if axis == "feature" else mxfp8._quantize_sequence
+    quantize = quantizers._quantize_feature if axis == "feature" else quantizers._quantize_sequence
     return quantize(values, offsets, rounding, False)
 
 

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8
+from jagged_attn.mxfp8 import MXFP8Jagged
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.serialization import (
     FORMAT_VERSION,

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from jagged_attn import mx_format
-from jagged_attn.mxfp8 import MXFP8Jagged, quantize_mxfp8, quantize_mxfp8_dual, scale_col_tiles
+from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import max_length
+from jagged_attn.quantize import quantize_mxfp8, quantize_mxfp8_dual
 from jagged_attn.reference import softmax_delta
 
 from ..common import fp8
