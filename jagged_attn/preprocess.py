@@ -33,8 +33,8 @@ from safetensors import safe_open
 
 from .mx_format import BLOCK_SIZE, check_rounding
 from .mxfp8 import AXES, check_values
-from .quantize import quantize_mxfp8
 from .offsets import INDEX_DTYPES, lengths_of, offsets_from_lengths, padded_seq_start, padded_tile, validate_offsets
+from .quantize import quantize_mxfp8
 from .scale_layout import TILE_ROWS, num_tiles
 from .serialization import (
     SINGLE_ENTRY_NAME,

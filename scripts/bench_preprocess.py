@@ -24,8 +24,8 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.preprocess import DEFAULT_CHUNK_VALUES, preprocess_file
 
 GIB = 1 << 30

@@ -17,8 +17,8 @@ from compile_util import compile_ptx
 from jagged_attn.kernels.common import fp8
 from jagged_attn.kernels.sm100 import exact
 from jagged_attn.mxfp8 import scale_col_tiles
-from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.reference import reference_backward, reference_forward
 
 MODULE = "jagged_attn.kernels.sm100.exact"

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from attention_oracle import padded_attention, sdpa_matches
 from jagged_attn.metrics import cosine, relative_l2
-from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.reference import reference_backward, reference_forward
 
 F64 = torch.float64

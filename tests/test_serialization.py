@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from jagged_attn.mxfp8 import MXFP8Jagged
-from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.offsets import offsets_from_lengths
+from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.serialization import (
     FORMAT_VERSION,
     SINGLE_ENTRY_NAME,
