@@ -248,6 +248,7 @@ def checked_after(magnitudes: torch.Tensor | None, names, run):
 
 
 def as_3d(x: torch.Tensor) -> torch.Tensor:
+    """``[total, D]`` values as ``[total, 1, D]``; ``[total, H, D]`` as they are."""
     return x if x.dim() == 3 else x.unsqueeze(1)
 
 

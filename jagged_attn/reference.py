@@ -38,12 +38,12 @@ def _spans(offsets_q, rows_q, offsets_k, rows_k):
         yield slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
 
 
-def _expand_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+def expand_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
     """``[L, Hkv, D]`` -> ``[L, Hq, D]`` by repeating each KV head over its query-head group."""
     return x.repeat_interleave(heads_q // x.shape[1], dim=1)
 
 
-def _reduce_kv(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+def reduce_kv(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """``[L, Hq, D]`` -> ``[L, Hkv, D]``: sum each KV head's query-head group."""
     return x.reshape(x.shape[0], heads_kv, -1, x.shape[2]).sum(2)
 
@@ -84,8 +84,8 @@ def reference_forward(
     lse = q.new_full(q.shape[:2], -math.inf, dtype=compute_dtype)
     for sq, sk in _spans(offsets_q, q.shape[0], offsets_k, k.shape[0]):
         qb = q[sq].to(compute_dtype)
-        kb = _expand_kv(k[sk], heads_q).to(compute_dtype)
-        vb = _expand_kv(v[sk], heads_q).to(compute_dtype)
+        kb = expand_kv(k[sk], heads_q).to(compute_dtype)
+        vb = expand_kv(v[sk], heads_q).to(compute_dtype)
         if qb.shape[0] == 0 or kb.shape[0] == 0:
             continue
         mask = visible_mask(qb.shape[0], kb.shape[0], causal, q.device)
@@ -148,17 +148,17 @@ def reference_backward(
         if len_q == 0 or len_k == 0:
             continue
         mask = visible_mask(len_q, len_k, causal, q.device)
-        s = torch.einsum("qhd,khd->hqk", c(q_s[sq]), c(_expand_kv(k_s[sk], heads_q))) * softmax_scale
+        s = torch.einsum("qhd,khd->hqk", c(q_s[sq]), c(expand_kv(k_s[sk], heads_q))) * softmax_scale
         lse_b = c(lse[sq]).transpose(0, 1).unsqueeze(-1)  # [H, Lq, 1]
         p = torch.where(mask & torch.isfinite(lse_b), torch.exp(s - lse_b), torch.zeros_like(s))
         p_for_dv = mx_format.quantize_p(p.float()).to(compute_dtype) if fp8 else p
         dv_b = torch.einsum("hqk,qhd->khd", p_for_dv, c(do_seq[sq]))
-        dp = torch.einsum("qhd,khd->hqk", c(do_feat[sq]), c(_expand_kv(v_feat[sk], heads_q)))
+        dp = torch.einsum("qhd,khd->hqk", c(do_feat[sq]), c(expand_kv(v_feat[sk], heads_q)))
         ds = p * (dp - delta[sq].transpose(0, 1).unsqueeze(-1))
         if fp8:
             ds = mx_format.fake_quantize_square_tiles(ds).to(compute_dtype)
-        dq[sq] = torch.einsum("hqk,khd->qhd", ds, c(_expand_kv(k_seq[sk], heads_q))) * softmax_scale
+        dq[sq] = torch.einsum("hqk,khd->qhd", ds, c(expand_kv(k_seq[sk], heads_q))) * softmax_scale
         dk_b = torch.einsum("hqk,qhd->khd", ds, c(q_seq[sq])) * softmax_scale
-        dk[sk] = _reduce_kv(dk_b, heads_kv)
-        dv[sk] = _reduce_kv(dv_b, heads_kv)
+        dk[sk] = reduce_kv(dk_b, heads_kv)
+        dv[sk] = reduce_kv(dv_b, heads_kv)
     return dq, dk, dv

@@ -32,8 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_lm  # noqa: E402
 from jagged_attn import mx_format  # noqa: E402
+from jagged_attn.centering import sequence_centers  # noqa: E402
+from jagged_attn.offsets import sequence_ids  # noqa: E402
 from jagged_attn.quantize import quantize_mxfp8  # noqa: E402
-from jagged_attn.reference import visible_mask  # noqa: E402
+from jagged_attn.reference import expand_kv, reduce_kv, visible_mask  # noqa: E402
 
 # Each operand by the GEMM that reads it: forward q_f, k_f (S), p, v_s (P V); backward do_f, v_f (dP),
 # do_s, p_dv (dV), ds (dQ, dK), q_s (dK), k_s (dQ). "_f": 32-blocks along head_dim, "_s": along tokens.
@@ -53,30 +55,16 @@ def _hadamard(n, device):
 
 
 def _sequence_means(x, offsets):
-    out = torch.zeros_like(x)
-    bounds = offsets.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b > a:
-            out[a:b] = x[a:b].mean(0, keepdim=True)
-    return out
-
-
-def _expand(x, heads):
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _reduce(x, heads_kv):
-    return x.reshape(x.shape[0], heads_kv, -1, x.shape[2]).sum(2)
+    """float64 ``x [T, H, D]``: each row's sequence mean (``centering.sequence_centers``, broadcast to rows)."""
+    return sequence_centers(x, offsets)[sequence_ids(offsets, x.shape[0])]
 
 
 def _row_blocks(x):
-    """``[..., M, N]`` MXFP8-rounded in 32-blocks along N (one scale per row and block)."""
+    """``[..., M, N]`` MXFP8-rounded in 32-blocks along N (feature-axis MXFP8 of its rows, N zero-padded)."""
     *lead, m, n = x.shape
     pad = -n % 32
-    blocks = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*lead, m, (n + pad) // 32, 32)
-    byte = mx_format.scale_bytes(blocks.abs().amax(-1, keepdim=True))
-    values = mx_format.quantize_with_factors(blocks, mx_format.scale_factors(byte)).float()
-    return (values * mx_format.descale_factors(byte)).reshape(*lead, m, n + pad)[..., :n].double()
+    rows = torch.nn.functional.pad(x.float(), (0, pad)).reshape(-1, n + pad)
+    return _mx(rows, None, "feature").reshape(*lead, m, n + pad)[..., :n]
 
 
 def emulate(q, k, v, do, offsets, rounded=(), *, p_rule="exact-max", delta="dout", center=False, rotate=False,
@@ -114,7 +102,7 @@ def emulate(q, k, v, do, offsets, rounded=(), *, p_rule="exact-max", delta="dout
         if b == a:
             continue
         rows = slice(a, b)
-        s = torch.einsum("qhd,khd->hqk", q_f[rows], _expand(k_f[rows], heads_q)) * scale
+        s = torch.einsum("qhd,khd->hqk", q_f[rows], expand_kv(k_f[rows], heads_q)) * scale
         s = s.masked_fill(~visible_mask(b - a, b - a, True, q.device), -math.inf)
         row_max = s.amax(-1, keepdim=True)
         row_sum = torch.exp(s - row_max).sum(-1, keepdim=True)
@@ -130,11 +118,11 @@ def emulate(q, k, v, do, offsets, rounded=(), *, p_rule="exact-max", delta="dout
                 p_bwd = torch.exp(s - anchor * math.log(2) - rounded_sum.log())
             else:
                 p_fwd = p_rounded / (row_sum * torch.exp2(m2 - anchor))
-        o = torch.einsum("hqk,khd->qhd", p_fwd, _expand(v_s[rows], heads_q))
+        o = torch.einsum("hqk,khd->qhd", p_fwd, expand_kv(v_s[rows], heads_q))
         out[rows] = o
         p_dv = mx_format.quantize_p(p_bwd.float()).double() if "p_dv" in rounded else p_bwd
-        dv[rows] = _reduce(torch.einsum("hqk,qhd->khd", p_dv, do_s[rows]), heads_kv)
-        dp = torch.einsum("qhd,khd->hqk", do_f[rows], _expand(v_f[rows], heads_q))
+        dv[rows] = reduce_kv(torch.einsum("hqk,qhd->khd", p_dv, do_s[rows]), heads_kv)
+        dp = torch.einsum("qhd,khd->hqk", do_f[rows], expand_kv(v_f[rows], heads_q))
         if delta == "consistent":
             row_delta = (p_bwd * dp).sum(-1, keepdim=True)
         else:
@@ -146,11 +134,11 @@ def emulate(q, k, v, do, offsets, rounded=(), *, p_rule="exact-max", delta="dout
             ds_q = ds_k = mx_format.fake_quantize_square_tiles(ds.float()).double()
         elif "ds" in rounded:
             ds_q, ds_k = _row_blocks(ds), _row_blocks(ds.transpose(-1, -2)).transpose(-1, -2)
-        dq[rows] = torch.einsum("hqk,khd->qhd", ds_q, _expand(k_s[rows], heads_q)) * scale
-        dk[rows] = _reduce(torch.einsum("hqk,qhd->khd", ds_k, q_s[rows]) * scale, heads_kv)
+        dq[rows] = torch.einsum("hqk,khd->qhd", ds_q, expand_kv(k_s[rows], heads_q)) * scale
+        dk[rows] = reduce_kv(torch.einsum("hqk,qhd->khd", ds_k, q_s[rows]) * scale, heads_kv)
     if rotate:
         dq, dk = dq @ hadamard.T, dk @ hadamard.T
-    return out + _expand(v_mean, heads_q), dq, dk, dv
+    return out + expand_kv(v_mean, heads_q), dq, dk, dv
 
 
 def relative_error(got, exact):
@@ -171,7 +159,7 @@ def layer_statistics(q, k, v, do, offsets):
     bounds = offsets.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b - a >= 64:
-            s = torch.einsum("qhd,khd->hqk", q[a:b].double(), _expand(k[a:b].double(), q.shape[1]))
+            s = torch.einsum("qhd,khd->hqk", q[a:b].double(), expand_kv(k[a:b].double(), q.shape[1]))
             s = (s * q.shape[-1] ** -0.5).masked_fill(~visible_mask(b - a, b - a, True, q.device), -math.inf)
             stats["median_row_max_of_p"] = float(torch.softmax(s, -1).amax(-1).median())
             break
@@ -219,7 +207,7 @@ def _gradients(model, batch, attend, device):
     """(all parameter gradients flattened in float64, loss) on ``batch``."""
     tokens, offsets = (x.to(device) for x in batch)
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with train_lm.autocast_for(device):
         loss = train_lm.next_byte_loss(model, tokens, offsets, attend)
     loss.backward()
     grads = torch.cat([p.grad.flatten().double() for p in model.parameters()])

