@@ -2,11 +2,12 @@
 
 On ``bench.py``'s workloads (head_dim 128):
 
-* ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``hopper-exact-scores``,
-  forward + backward through autograd; ``torch.profiler`` over five steps), largest first;
+* ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``hopper``,
+  or ``hopper-exact-scores`` with ``--exact-scores``; forward + backward through autograd;
+  ``torch.profiler`` over five steps), largest first;
 * otherwise: the Gluon backward kernel alone (``hopper_bwd_ws.launch``, the producers run once
-  beforehand), with dQ accumulated or not (``--no-dq``), on the exact path or with FP8 S and dP
-  (``--fp8-scores``: backend ``hopper``'s), as median ms and TFLOP/s, with the sums of
+  beforehand), with dQ accumulated or not (``--no-dq``), with FP8 S and dP (backend ``hopper``'s) or
+  exact ones (``--exact-scores``), as median ms and TFLOP/s, with the sums of
   ``|dQ|``, ``|dK|``, ``|dV|`` so that two versions' outputs can be compared.
 
 To compare two versions side by side, run it twice in one device call, the second time on the other
@@ -25,7 +26,7 @@ from bench import WORKLOADS, Workload, median_ms
 HEAD_DIM = 128
 
 
-def profile_step(w: Workload) -> None:
+def profile_step(w: Workload, backend: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from jagged_attn import jagged_attention
@@ -34,7 +35,7 @@ def profile_step(w: Workload) -> None:
 
     def step():
         out = jagged_attention(*leaves, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                               backend="hopper-exact-scores")
+                               backend=backend)
         torch.autograd.grad(out, leaves, w.dout)
 
     for _ in range(3):
@@ -47,7 +48,7 @@ def profile_step(w: Workload) -> None:
         torch.cuda.synchronize()
     kernels = sorted(((e.device_time_total / 1e3 / steps, e.count // steps, e.key) for e in prof.key_averages()
                       if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0), reverse=True)
-    print(f"== {w.name}: kernel time per step {sum(k[0] for k in kernels):.2f} ms "
+    print(f"== {w.name}, {backend}: kernel time per step {sum(k[0] for k in kernels):.2f} ms "
           f"(wall step {median_ms(step):.2f} ms)")
     for ms, count, name in kernels[:14]:
         print(f"  {ms:7.3f} ms x{count:<3d} {name[:110]}")
@@ -79,7 +80,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="time per kernel of a training step")
     parser.add_argument("--no-dq", action="store_true", help="the backward kernel without dQ")
-    parser.add_argument("--fp8-scores", action="store_true", help="S and dP from FP8 copies (backend hopper)")
+    parser.add_argument("--exact-scores", action="store_true",
+                        help="S and dP exact from bf16 copies (backend hopper-exact-scores); default: FP8 (hopper)")
     parser.add_argument("--workloads", nargs="*", help="names of bench.py workloads (default: all)")
     args = parser.parse_args()
     from jagged_attn.kernels.sm90 import hopper_bwd_ws
@@ -90,9 +92,9 @@ def main():
             continue
         w = Workload(name, lengths, heads, causal, dense, HEAD_DIM)
         if args.profile:
-            profile_step(w)
+            profile_step(w, "hopper-exact-scores" if args.exact_scores else "hopper")
         else:
-            time_backward_kernel(w, accumulate_dq=not args.no_dq, exact_scores=not args.fp8_scores)
+            time_backward_kernel(w, accumulate_dq=not args.no_dq, exact_scores=args.exact_scores)
 
 
 if __name__ == "__main__":
