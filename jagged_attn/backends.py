@@ -41,10 +41,11 @@ from typing import Callable
 import torch
 
 from .devices import on_device_of
+from .kernels.sm100 import exact as block_scaled_kernels
 from .mx_format import saturating_cast
 from .mxfp8 import checked_after, largest_magnitudes
-from .quantize import quantize_mxfp8
-from .reference import reference_backward, reference_forward
+from .quantize import quantize_mxfp8, quantize_mxfp8_dual
+from .reference import reference_backward, reference_forward, softmax_delta
 
 BACKENDS = ("auto", "reference", "hopper", "hopper-exact-scores", "block-scaled")
 # The previous release's names: resolved with a DeprecationWarning until the next release drops them.
@@ -97,9 +98,25 @@ def _reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, s
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-def _kernel_backend(name: str, forward_module: str, backward_module: str, options: dict) -> Backend:
+def _block_scaled_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic,
+                           dlse=None):
+    """The block-scaled kernels' backward on operands rounded exactly as ``reference_backward`` rounds
+    them (on CUDA one read of Q, K and dO makes both of their layouts); deterministic whatever
+    ``deterministic`` says (dQ has its own kernel, no atomics)."""
+    with on_device_of(q):
+        operands = block_scaled_kernels.BackwardOperands(
+            *quantize_mxfp8_dual(q, offsets_q), *quantize_mxfp8_dual(k, offsets_k),
+            quantize_mxfp8(v, offsets_k, axis="feature"), *quantize_mxfp8_dual(dout, offsets_q))
+        return block_scaled_kernels.attention_backward(
+            operands, lse, softmax_delta(dout, out, dlse), causal=causal, softmax_scale=softmax_scale,
+            dtypes=(q.dtype, k.dtype, v.dtype))
+
+
+def _kernel_backend(name: str, forward_module: str, backward_module: str, options: dict,
+                    backward: Callable | None = None) -> Backend:
     """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use); every entry
-    point gets ``options`` as keywords."""
+    point gets ``options`` as keywords. ``backward`` replaces the backward module's own
+    ``attention_backward`` where the front end rounds the operands."""
     fwd = importlib.import_module(f"jagged_attn.kernels.{forward_module}")
     bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
 
@@ -116,21 +133,22 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
                                             check_finite=check_finite, **options)
 
-    def backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse=None):
+    def module_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic,
+                        dlse=None):
         with on_device_of(q):
             return bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
                                           softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse,
                                           **options)
 
     head_dims = tuple(sorted(set(fwd.HEAD_DIMS) & set(bwd.HEAD_DIMS)))
-    return Backend(name, forward_mx, forward_hp, backward, head_dims)
+    return Backend(name, forward_mx, forward_hp, backward or module_backward, head_dims)
 
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward, None)
-_KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both)
+_KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both[, the front end's backward])
     "hopper": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "fp8"}),
     "hopper-exact-scores": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "bf16"}),
-    "block-scaled": ("sm100.exact", "sm100.exact", {}),
+    "block-scaled": ("sm100.exact", "sm100.exact", {}, _block_scaled_backward),
 }
 HOPPER_BACKENDS = ("hopper", "hopper-exact-scores")
 

@@ -14,11 +14,12 @@ import torch
 import triton
 from compile_util import compile_ptx
 
+from jagged_attn.backends import get_backend
 from jagged_attn.kernels.common import fp8
 from jagged_attn.kernels.sm100 import exact
 from jagged_attn.mxfp8 import scale_col_tiles
 from jagged_attn.offsets import offsets_from_lengths
-from jagged_attn.quantize import quantize_mxfp8
+from jagged_attn.quantize import quantize_mxfp8, quantize_mxfp8_dual
 from jagged_attn.reference import reference_backward, reference_forward
 
 MODULE = "jagged_attn.kernels.sm100.exact"
@@ -161,8 +162,8 @@ def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, k
 
     dlse = torch.where(seen, torch.randn(lse.shape, device=device), 0.0) if with_dlse else None
     poison_cuda_cache()
-    grads = exact.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale,
-                                     dlse=dlse)
+    grads = get_backend("block-scaled").backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, scale, True,
+                                                 dlse=dlse)
     ref_grads = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
                                    softmax_scale=scale, compute_dtype=torch.float64, dlse=dlse)
     for name, grad, ref, like in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
@@ -224,6 +225,12 @@ def test_rejects_bad_operands():
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         exact.attention_forward(q, k, quantize_mxfp8(x[:, :3], offsets, axis="sequence"), causal=False,
                                 softmax_scale=0.125)
+    wide = torch.randn(43, 4, 96)
+    both_axes = quantize_mxfp8_dual(wide, offsets)
+    operands = exact.BackwardOperands(*both_axes, *both_axes, quantize_mxfp8(wide, offsets, axis="feature"), *both_axes)
     with pytest.raises(ValueError, match="head_dim"):
-        exact.attention_backward(*[torch.randn(43, 4, 96)] * 5, torch.zeros(43, 4), offsets, offsets,
-                                 causal=False, softmax_scale=0.1)
+        exact.attention_backward(operands, torch.zeros(43, 4), torch.zeros(43, 4), causal=False, softmax_scale=0.1,
+                                 dtypes=(torch.float32,) * 3)
+    with pytest.raises(ValueError, match="v_feature must be"):
+        exact.attention_backward(operands._replace(v_feature=operands.k_sequence), torch.zeros(43, 4),
+                                 torch.zeros(43, 4), causal=False, softmax_scale=0.1, dtypes=(torch.float32,) * 3)

@@ -22,6 +22,8 @@ Scale placement comes from ``jagged_attn.kernels.common.layout`` (the owner modu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,8 +31,6 @@ import triton.language as tl
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import max_length
-from jagged_attn.quantize import quantize_mxfp8, quantize_mxfp8_dual
-from jagged_attn.reference import softmax_delta
 
 from ..common import fp8
 from ..common.layout import (
@@ -634,30 +634,39 @@ def attention_forward(
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
-                       deterministic: bool = True, dlse=None):
+class BackwardOperands(NamedTuple):
+    """The backward's MXFP8 operands, as ``reference_backward`` rounds them: Q, K and dO on both axes
+    (``feature`` for S and dP, ``sequence`` for dK = dS^T Q, dQ = dS K and dV = P^T dO), V on the
+    feature axis (dP = dO V^T). Each ``[total, heads, D]``."""
+
+    q_feature: MXFP8Jagged
+    q_sequence: MXFP8Jagged
+    k_feature: MXFP8Jagged
+    k_sequence: MXFP8Jagged
+    v_feature: MXFP8Jagged
+    do_feature: MXFP8Jagged
+    do_sequence: MXFP8Jagged
+
+
+def attention_backward(operands: BackwardOperands, lse, delta, *, causal: bool, softmax_scale: float, dtypes):
     """dQ, dK, dV of jagged MXFP8 attention with ``tl.dot_scaled`` (the reference backend's dataflow).
 
-    Always deterministic (dQ has its own kernel, no atomics): ``deterministic`` is accepted so
-    every backend's backward has one signature.
-
-    dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]`` high precision (as autograd saved
-    them); lse float32 ``[total_q, Hq]`` from the forward; dlse float32 ``[total_q, Hq]``, the LSE's
-    gradient (subtracted from Delta), or None. Operands are quantized here with
-    ``quantize_mxfp8`` / ``quantize_mxfp8_dual`` exactly as ``reference_backward`` does (on CUDA
-    one read of Q, K and dO makes both of their layouts). Gradients come out in the inputs'
-    dtypes; dK and dV are summed over each KV head's query-head group.
+    Deterministic: dQ has its own kernel, no atomics. ``lse`` float32 ``[total_q, Hq]`` from the
+    forward; ``delta`` float32 ``[total_q, Hq]``, rowsum(dO * O) less the LSE's gradient
+    (``reference.softmax_delta``). Gradients come out in ``dtypes`` (dQ's, dK's, dV's); dK and dV
+    are summed over each KV head's query-head group.
     """
-    total_q, heads_q, head_dim = q.shape
-    heads_kv = k.shape[1]
+    q_feature, q_sequence, k_feature, k_sequence, v_feature, do_feature, do_sequence = operands
+    for name, mx in zip(BackwardOperands._fields, operands):
+        _check_axis(mx, name.rsplit("_", 1)[1], name)  # each field is named after its axis
+    total_q, heads_q, head_dim = q_feature.data.shape
+    total_k, heads_kv = k_feature.data.shape[:2]
     _check_heads(heads_q, heads_kv, head_dim)
-    q_feature, q_sequence = quantize_mxfp8_dual(q, offsets_q)
-    do_feature, do_sequence = quantize_mxfp8_dual(dout, offsets_q)
-    k_feature, k_sequence = quantize_mxfp8_dual(k, offsets_k)
-    v_feature = quantize_mxfp8(v, offsets_k, axis="feature")
-    delta = softmax_delta(dout, out, dlse)
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    offsets_q, offsets_k = q_feature.offsets, k_feature.offsets
+    device = q_feature.data.device
+    dq = torch.empty(total_q, heads_q, head_dim, dtype=dtypes[0], device=device)
+    dk = torch.empty(total_k, heads_kv, head_dim, dtype=dtypes[1], device=device)
+    dv = torch.empty(total_k, heads_kv, head_dim, dtype=dtypes[2], device=device)
     batch = offsets_q.numel() - 1
     scales = {
         name: _scale_bytes(mx)
