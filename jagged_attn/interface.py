@@ -11,9 +11,8 @@ from .backends import auto_backend_name, backend_name, check_head_dim, check_ker
 from .centering import centered_keys_values, uncentered_outputs
 from .jagged import split_heads, unpack_jagged
 from .mxfp8 import MXFP8Jagged, check_values
-from .offsets import (check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check,
-                      value_checks)
-
+from .offsets import check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check, value_checks
+from .reference import default_softmax_scale
 
 V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantization axis of V
 
@@ -65,7 +64,7 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: t
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     """``softmax_scale``, ``1/sqrt(head_dim)`` for None; a positive finite number (``ValueError`` otherwise)."""
     if softmax_scale is None:
-        softmax_scale = head_dim**-0.5
+        softmax_scale = default_softmax_scale(head_dim)
     if isinstance(softmax_scale, bool) or not (
             isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")

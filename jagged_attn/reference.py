@@ -69,6 +69,11 @@ def _softmax_parts(q, k, mask, softmax_scale):
     return s2, m2, torch.exp2(s2 - m2)
 
 
+def default_softmax_scale(head_dim: int) -> float:
+    """The softmax scale when none is given: 1/sqrt(head_dim)."""
+    return head_dim**-0.5
+
+
 def reference_forward(
     q, k, v, offsets_q, offsets_k, *, causal=False, softmax_scale=None, compute_dtype=torch.float32, fp8=True
 ):
@@ -78,7 +83,7 @@ def reference_forward(
     returns (out ``[total_q, Hq, D]`` compute_dtype, lse ``[total_q, Hq]`` compute_dtype, natural
     log, -inf for rows that see no key; such rows get out = 0).
     """
-    softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    softmax_scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     heads_q = q.shape[1]
     out = q.new_zeros(q.shape, dtype=compute_dtype)
     lse = q.new_full(q.shape[:2], -math.inf, dtype=compute_dtype)
@@ -128,7 +133,7 @@ def reference_backward(
     scale; dV = P^T dO (dO on the sequence axis); dP = dO V^T (both on the feature axis);
     dS = P * (dP - Delta) quantized in 32x32 tiles; dQ = dS K, dK = dS^T Q (K, Q on the sequence axis).
     """
-    softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    softmax_scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     heads_q, heads_kv = q.shape[1], k.shape[1]
     q_s = _fake_quantize(q, offsets_q, "feature", fp8)
     k_s = _fake_quantize(k, offsets_k, "feature", fp8)
