@@ -17,12 +17,12 @@ FA2_PARAMETERS = [
 ]
 
 
-def _inputs(lengths_q=(3, 0, 40, 33), lengths_k=(50, 2, 0, 20), hq=4, hkv=2, dim=64):
-    cu_q = offsets_from_lengths(torch.tensor(lengths_q)).to(torch.int32)
-    cu_k = offsets_from_lengths(torch.tensor(lengths_k)).to(torch.int32)
-    q = torch.randn(sum(lengths_q), hq, dim, dtype=torch.bfloat16)
-    k = torch.randn(sum(lengths_k), hkv, dim, dtype=torch.bfloat16)
-    v = torch.randn(sum(lengths_k), hkv, dim, dtype=torch.bfloat16)
+def _inputs(lengths_q=(3, 0, 40, 33), lengths_k=(50, 2, 0, 20), hq=4, hkv=2, dim=64, device="cpu"):
+    cu_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device, torch.int32)
+    cu_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device, torch.int32)
+    q = torch.randn(sum(lengths_q), hq, dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(sum(lengths_k), hkv, dim, dtype=torch.bfloat16, device=device)
+    v = torch.randn(sum(lengths_k), hkv, dim, dtype=torch.bfloat16, device=device)
     return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
 
 
@@ -34,11 +34,13 @@ def test_signature_is_flash_attention_2s():
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(positional):])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_same_as_jagged_attention_positionally_and_by_keyword(causal):
+def test_same_as_jagged_attention_positionally_and_by_keyword(causal, device):
     """Arguments as a FlashAttention call passes them (positionally, int32 cu_seqlens): out, gradients and
-    the LSE (in FlashAttention's [heads, total_q] layout) of jagged_attention on the same inputs."""
-    q, k, v, cu_q, cu_k, max_q, max_k = _inputs()
+    the LSE (in FlashAttention's [heads, total_q] layout) of jagged_attention on the same inputs (on CUDA:
+    the default backend's kernels, deterministic as both calls ask)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _inputs(device=device)
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     out = ja.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, 0.0, 0.2, causal, (-1, -1), 0.0, None, True)

@@ -131,6 +131,29 @@ def test_training_steps_lower_the_loss():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.gpu
+def test_packed_rows_on_the_gpu_match_sdpa_and_train():
+    """On CUDA in bf16 with the default backend (on Hopper its FP8 kernels; head_dim 64, which they
+    support): packed rows against SDPA per sequence, and one training step with finite gradients."""
+    name = register("jagged_mxfp8_gpu")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    sequences = [s.cuda() for s in random_sequences()]
+    ids = torch.cat(sequences)[None]
+    positions = torch.cat([torch.arange(n, device="cuda") for n in LENGTHS])[None]
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        refs = [model(s[None]).logits[0] for s in sequences]
+    model.set_attn_implementation(name)
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions).logits[0]
+    for got, ref in zip(packed.split(LENGTHS), refs):
+        assert relative_l2(got.float(), ref.float()) < LOGITS_TOLERANCE
+    model(ids, position_ids=positions, labels=ids).loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_unsupported_options_are_refused(model):
     query = torch.randn(1, 4, 3, 32)
     key = torch.randn(1, 2, 3, 32)
