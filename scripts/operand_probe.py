@@ -204,25 +204,35 @@ def _capture(model, batch, attend, device):
 
 
 def _gradients(model, batch, attend, device):
-    """(all parameter gradients flattened in float64, loss) on ``batch``."""
+    """({parameter name: its gradient flattened in float64}, loss) on ``batch``."""
     tokens, offsets = (x.to(device) for x in batch)
     model.zero_grad(set_to_none=True)
     with train_lm.autocast_for(device):
         loss = train_lm.next_byte_loss(model, tokens, offsets, attend)
     loss.backward()
-    grads = torch.cat([p.grad.flatten().double() for p in model.parameters()])
+    grads = {name: p.grad.flatten().double() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return grads, float(loss.detach())
 
 
+def _agreement(grad, reference):
+    """Cosine and relative L2 difference of a gradient against the reference one."""
+    norms = grad.norm() * reference.norm()
+    return dict(cosine=float(grad @ reference / norms) if norms > 0 else 1.0,
+                relative=float((grad - reference).norm() / reference.norm()) if reference.norm() > 0 else 0.0)
+
+
 def probe(model, batch, probe_batch, attend, compare, device, quick):
+    """Per compared backend, the whole model's gradient against the BF16 attention's and each parameter
+    tensor's (AdamW scales every tensor's update by its own gradient's size, so a small tensor's
+    direction error counts as much as a large one's), and per layer the emulated operand errors."""
     reference, loss = _gradients(model, batch, attend, device)
     report = dict(loss=loss, gradients={}, layers=[])
     for name, other in compare.items():
         grads, other_loss = _gradients(model, batch, other, device)
         report["gradients"][name] = dict(
-            cosine=float(grads @ reference / (grads.norm() * reference.norm())),
-            relative=float((grads - reference).norm() / reference.norm()), loss=other_loss)
+            **_agreement(torch.cat(list(grads.values())), torch.cat(list(reference.values()))), loss=other_loss,
+            tensors={tensor: _agreement(grads[tensor], reference[tensor]) for tensor in reference})
     offsets = probe_batch[1].to(device)
     for q, k, v, do in _capture(model, probe_batch, attend, device):
         report["layers"].append(dict(statistics=layer_statistics(q, k, v, do, offsets),
@@ -230,10 +240,16 @@ def probe(model, batch, probe_batch, attend, compare, device, quick):
     return report
 
 
+WORST_TENSORS = 6
+
+
 def print_report(step, report):
     print(f"\n=== step {step}, loss {report['loss']:.4f}: model gradients against the BF16 attention's")
     for name, g in report["gradients"].items():
         print(f"  {name:12s} cosine {g['cosine']:.5f}, relative difference {g['relative']:.4f}, loss {g['loss']:.4f}")
+        worst = sorted(g["tensors"].items(), key=lambda item: item[1]["cosine"])[:WORST_TENSORS]
+        print("    least aligned tensors: " + ", ".join(f"{t} {a['cosine']:.4f} ({a['relative']:.3f})"
+                                                        for t, a in worst))
     for i, layer in enumerate(report["layers"]):
         print(f"--- layer {i}: {json.dumps(layer['statistics'])}")
         print(f"    {'configuration':48s}      O     dQ     dK     dV")
