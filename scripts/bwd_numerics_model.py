@@ -20,12 +20,19 @@ query step) on a running scale per (KV head, 64-key block) that only grows over 
 heads of the group outer, query tiles inner) from the smallest normal ("dS running64"), here
 also one scale per 64 x 64 tile ("dS step64"). docs/perf-history.md (backward v6, v7) compares all of it
 with the H200.
+
+The dK modes keep the reference's S, dP and dS and model how the Gluon kernel sums dK = dS^T Q over
+its steps (query heads of a group outer, 64-query tiles inner, per 64-key tile): each k32 wgmma's
+chunk truncated as above, chained into the wgmma accumulator for ``N`` steps and then added exactly
+into an fp32 total ("dK chained N"). N = 1 is the kernel's fresh accumulator per step; "all" chains
+every step (as dV is chained). ``--dk-only`` runs just these.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 
@@ -101,6 +108,66 @@ def quantize_ds_tiles(ds: torch.Tensor, running: bool) -> torch.Tensor:
     return (values * mx_format.descale_factors(byte)).reshape(padded.shape)[:, :len_q, :len_k]
 
 
+DK_PRODUCT = "hqk,qhd->khd"  # dV = P^T dO, then dK = dS^T Q in reference_backward, per sequence
+DK_FLUSHES = {"dK chained 1": 1, "dK chained 4": 4, "dK chained 16": 16, "dK chained all": None}
+
+
+def chained_dk(ds: torch.Tensor, q: torch.Tensor, flush_every: int | None) -> torch.Tensor:
+    """``einsum(DK_PRODUCT, ds, q)`` of one sequence (``[Hq, Lq, Lk]``, ``[Lq, Hq, D]``) with each KV head's
+    group sum in its first query head (``reference.reduce_kv`` then gives the group's dK), summed as
+    the kernel's steps sum it: per 32-query chunk truncated at its bound, chunks chained into the wgmma
+    accumulator with truncation against the larger addend, and every ``flush_every`` 64-query steps
+    (never for None) added exactly into the total."""
+    heads, len_q, len_k = ds.shape
+    out = torch.zeros(len_k, heads, q.shape[-1], dtype=torch.float64)
+    chunks_per_flush = None if flush_every is None else flush_every * DS_TILE // CHUNK
+    for first in range(0, heads, GROUP):
+        total = torch.zeros(len_k, q.shape[-1], dtype=torch.float64)
+        acc, chained = torch.zeros_like(total), 0
+        for h in range(first, first + GROUP):
+            for start in range(0, len_q, CHUNK):
+                a = ds[h, start:start + CHUNK].double()  # [chunk, Lk]
+                b = q[start:start + CHUNK, h].double()  # [chunk, D]
+                if not a.any():
+                    continue  # a causal step the kernel skips
+                part = _truncate(a.T @ b, a.abs().amax(0)[:, None] * b.abs().amax(0)[None, :])
+                acc = _truncate(acc + part, torch.maximum(acc.abs(), part.abs())) if chained else part
+                chained += 1
+                if chunks_per_flush is not None and chained == chunks_per_flush:
+                    total, acc, chained = total + acc, torch.zeros_like(acc), 0
+        out[:, first] = total + acc
+    return out.to(ds.dtype)
+
+
+class _TorchWithModelledDk:
+    """``torch`` for ``jagged_attn.reference``, except that dK's product goes through :func:`chained_dk`."""
+
+    def __init__(self, flush_every: int | None):
+        self.flush_every = flush_every
+        self.calls = 0
+
+    def einsum(self, equation, *operands):
+        if equation != DK_PRODUCT:
+            return torch.einsum(equation, *operands)
+        self.calls += 1
+        if self.calls % 2:  # per sequence: dV first, then dK
+            return torch.einsum(equation, *operands)
+        return chained_dk(*operands, self.flush_every)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def modelled_dk(flush_every: int | None):
+    """The reference backward with dK summed as :func:`chained_dk` sums it."""
+    reference.torch = _TorchWithModelledDk(flush_every)
+    try:
+        yield
+    finally:
+        reference.torch = torch
+
+
 @contextlib.contextmanager
 def modelled_backward(truncate_s: bool, truncate_dp: bool, running_ds):
     """The reference backward with the modelled S / dP products (``truncate_s`` not None) and dS rule
@@ -122,7 +189,10 @@ def main():
     parser.add_argument("--kind", default="heavy", choices=["gaussian", "outlier", "heavy", "peaked"])
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--dk-only", action="store_true", help="only the dK accumulation modes")
     args = parser.parse_args()
+    modes = {} if args.dk_only else {mode: functools.partial(modelled_backward, *m) for mode, m in MODES.items()}
+    modes.update({mode: functools.partial(modelled_dk, flush) for mode, flush in DK_FLUSHES.items()})
     scale = 128**-0.5
     for seed in args.seeds:
         torch.manual_seed(seed)
@@ -132,12 +202,12 @@ def main():
         backward = (dout, q, k, v, out, lse, offsets_q, offsets_k)
         unmodified = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
         fp64 = exact_gradients(q, k, v, dout, offsets_q, offsets_k, args.causal, scale)
-        for mode, model in MODES.items():
-            with modelled_backward(*model):
+        for mode, modelled in modes.items():
+            with modelled():
                 grads = reference.reference_backward(*backward, causal=args.causal, softmax_scale=scale)
             errors = " ".join(f"{name} {rel_l2(g, r):.2e} (cosine {cosine(g, e) - cosine(r, e):+.1e})"
                               for name, g, r, e in zip(("dq", "dk", "dv"), grads, unmodified, fp64))
-            print(f"{args.kind} causal={args.causal:d} seed {seed} {mode:13s} {errors}", flush=True)
+            print(f"{args.kind} causal={args.causal:d} seed {seed} {mode:15s} {errors}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,38 @@
+"""scripts/bwd_numerics_model.py's model of how the Gluon backward sums dK over its steps."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from jagged_attn.reference import reduce_kv
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import bwd_numerics_model as model  # noqa: E402
+
+
+def test_chained_dk_is_the_group_sum_when_nothing_is_truncated():
+    """Small integers: every chunk sum and running sum fits the modelled 13 bits, so every flush rule gives
+    the exact product, summed over each KV head's query heads."""
+    heads, len_q, len_k, dim = 2 * model.GROUP, 3 * model.DS_TILE + 5, 70, 16
+    ds = torch.randint(-3, 4, (heads, len_q, len_k)).double()
+    q = torch.randint(-3, 4, (len_q, heads, dim)).double()
+    want = reduce_kv(torch.einsum(model.DK_PRODUCT, ds, q), heads // model.GROUP)
+    for flush in model.DK_FLUSHES.values():
+        assert torch.equal(reduce_kv(model.chained_dk(ds, q, flush), heads // model.GROUP), want), flush
+
+
+def test_chaining_truncates_small_steps_against_a_large_sum():
+    """One large first step, then many small ones: chained into one accumulator the small steps lose their
+    low bits against the large sum; flushed every step they are added exactly."""
+    heads, steps, len_k, dim = model.GROUP, 16, 64, 8
+    len_q = steps * model.DS_TILE
+    ds = torch.full((heads, len_q, len_k), 1.0 + 2**-10, dtype=torch.float64)
+    ds[0, :model.DS_TILE] = 2.0**12
+    q = torch.ones(len_q, heads, dim, dtype=torch.float64)
+    exact = torch.einsum(model.DK_PRODUCT, ds, q).sum(1)
+    errors = {flush: float((model.chained_dk(ds, q, flush)[:, 0] - exact).abs().max() / exact.abs().max())
+              for flush in (1, None)}
+    assert errors[1] < 1e-6 < errors[None], errors
