@@ -23,7 +23,7 @@ from jagged_attn import quantize_mxfp8, reference  # noqa: E402
 from jagged_attn.kernels.sm90 import hopper_fwd, rebase  # noqa: E402
 from jagged_attn.offsets import offsets_from_lengths  # noqa: E402
 
-VARIANTS = [dict(SCORES="fp8"), dict(SCORES="fp8-promoted"), dict(SCORES="bf16"), dict(SCORES="bf16", num_stages=2)]
+VARIANTS = [dict(SCORES="fp8"), dict(SCORES="bf16"), dict(SCORES="bf16", num_stages=2)]
 
 
 def label(variant):

@@ -237,11 +237,10 @@ def test_forward_matches_reference(poisoned, len_q, len_k, heads_q, heads_kv, di
     check_against_reference(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("scores", ["fp8-promoted", "bf16"])
-def test_forward_score_variants_match_reference(poisoned, scores):
+def test_forward_exact_scores_match_reference(poisoned):
     q, k, v, offsets_q, offsets_k = make_inputs([0, 1, 33, 129], [5, 130, 31, 128], 4, 2, 64, "outlier_channel")
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
-    check_against_reference(*forward_and_reference(mq, mk, mv, True, 0.125, scores))
+    check_against_reference(*forward_and_reference(mq, mk, mv, True, 0.125, "bf16"))
 
 
 @pytest.mark.parametrize("scores", ["fp8", "bf16"])

@@ -42,9 +42,8 @@ from .rebase import (
 )
 from ..common.schedule import work_list
 
-SCORE_MODES = ("fp8", "fp8-promoted", "bf16")
+SCORE_MODES = ("fp8", "bf16")
 HEAD_DIMS = hopper_fwd_ws.HEAD_DIMS  # the GPU kernel's; the Triton kernel serves the interpreter at those too
-SCORE_ACC_STEP = tl.constexpr(32)  # k step at which SCORES="fp8-promoted" adds partial sums in fp32
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
 
 
@@ -53,10 +52,9 @@ def tile_config(head_dim: int, scores: str = "fp8") -> dict:
     warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
 
     SCORES picks how S = Q K^T is computed: "fp8" is FP8 wgmma with its fast accumulation over all
-    of D; "fp8-promoted" adds the partial sums in fp32 every 32-wide k step; "bf16" upcasts the e4m3
-    operands (exactly) and runs a bf16 wgmma, so S is exact up to fp32 accumulation, at half the MMA
-    rate for this product (bf16 K tiles take twice the shared memory: two stages at d128). Measured
-    with ``scripts/fwd_precision.py`` (docs/perf-history.md)."""
+    of D; "bf16" upcasts the e4m3 operands (exactly) and runs a bf16 wgmma, so S is exact up to fp32
+    accumulation, at half the MMA rate for this product (bf16 K tiles take twice the shared memory: two
+    stages at d128). Measured with ``scripts/fwd_precision.py`` (docs/perf-history.md)."""
     if scores not in SCORE_MODES:
         raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
     stages = 2 if scores == "bf16" and head_dim > 64 else 3
@@ -95,8 +93,6 @@ def _attend_tiles(
             k = tl.load(k_block)
         if SCORES == "bf16":
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        elif SCORES == "fp8-promoted":
-            s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP)
         else:
             s = tl.dot(q, tl.trans(k))
         s *= (row_scale * k_factor)[:, None]
