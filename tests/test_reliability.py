@@ -81,13 +81,14 @@ def ragged(lengths=EDGE_LENGTHS, heads=2, dim=64, dtype=torch.float32, generator
     return torch.randn(int(offsets[-1]), heads, dim, generator=generator).to(dtype), offsets
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("axis", ["feature", "sequence"])
 @pytest.mark.parametrize("field, byte", [("data", 0x7F), ("data", 0xFF), ("scales", 0xFF)])
-def test_mxfp8_made_from_raw_tensors_refuses_nan_bytes(axis, field, byte):
+def test_mxfp8_made_from_raw_tensors_refuses_nan_bytes(axis, field, byte, device):
     """NaN bytes (e4m3fn 0x7F / 0xFF, E8M0 0xFF) used to make whole attention rows 0. An MXFP8Jagged made
     from raw tensors refuses them, naming the tensor; under value_checks(False) it is made, and
     dequantize gives NaN exactly where a NaN byte acts (a 0xFF scale read as 2^128 gave +-inf or NaN)."""
-    values, offsets = ragged()
+    values, offsets = (x.to(device) for x in ragged())
     good = ja.quantize_mxfp8(values, offsets, axis=axis)
     raw = {"data": good.data.view(torch.uint8).clone(), "scales": good.scales.view(torch.uint8).clone()}
     if field == "data":
