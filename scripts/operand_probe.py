@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_lm  # noqa: E402
 from jagged_attn import mx_format  # noqa: E402
 from jagged_attn.centering import sequence_centers  # noqa: E402
+from jagged_attn.metrics import cosine, relative_l2  # noqa: E402
 from jagged_attn.offsets import sequence_ids  # noqa: E402
 from jagged_attn.quantize import quantize_mxfp8  # noqa: E402
-from jagged_attn.reference import expand_kv, reduce_kv, visible_mask  # noqa: E402
+from jagged_attn.reference import default_softmax_scale, expand_kv, reduce_kv, visible_mask  # noqa: E402
 
 # Each operand by the GEMM that reads it: forward q_f, k_f (S), p, v_s (P V); backward do_f, v_f (dP),
 # do_s, p_dv (dV), ds (dQ, dK), q_s (dK), k_s (dQ). "_f": 32-blocks along head_dim, "_s": along tokens.
@@ -81,7 +82,7 @@ def emulate(q, k, v, do, offsets, rounded=(), *, p_rule="exact-max", delta="dout
         raise ValueError(f"p_rule must be one of {P_RULES}")
     rounded = set(rounded)
     q, k, v, do = (x.double() for x in (q, k, v, do))
-    heads_q, heads_kv, scale = q.shape[1], k.shape[1], q.shape[-1] ** -0.5
+    heads_q, heads_kv, scale = q.shape[1], k.shape[1], default_softmax_scale(q.shape[-1])
     v_mean = _sequence_means(v, offsets) if center else torch.zeros_like(v)
     k = k - _sequence_means(k, offsets) if center else k
     v = v - v_mean
@@ -141,10 +142,6 @@ def emulate(q, k, v, do, offsets, rounded=(), *, p_rule="exact-max", delta="dout
     return out + expand_kv(v_mean, heads_q), dq, dk, dv
 
 
-def relative_error(got, exact):
-    return float((got - exact).norm() / exact.norm().clamp_min(1e-300))
-
-
 def layer_statistics(q, k, v, do, offsets):
     """Per tensor: largest and mean |channel mean| / channel spread, largest channel amax over the
     median; for the attention of the first sequence of >= 64 tokens: median row max of P."""
@@ -160,7 +157,8 @@ def layer_statistics(q, k, v, do, offsets):
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b - a >= 64:
             s = torch.einsum("qhd,khd->hqk", q[a:b].double(), expand_kv(k[a:b].double(), q.shape[1]))
-            s = (s * q.shape[-1] ** -0.5).masked_fill(~visible_mask(b - a, b - a, True, q.device), -math.inf)
+            s = s * default_softmax_scale(q.shape[-1])
+            s = s.masked_fill(~visible_mask(b - a, b - a, True, q.device), -math.inf)
             stats["median_row_max_of_p"] = float(torch.softmax(s, -1).amax(-1).median())
             break
     return stats
@@ -184,7 +182,7 @@ def layer_errors(q, k, v, do, offsets, quick):
     if not quick:
         configs.update({f"all but {x}": dict(rounded=[o for o in OPERANDS if o != x]) for x in OPERANDS})
         configs.update({f"only {x}": dict(rounded=[x]) for x in OPERANDS})
-    return {name: [relative_error(g, e) for g, e in zip(emulate(q, k, v, do, offsets, **kw), exact)]
+    return {name: [relative_l2(g, e) for g, e in zip(emulate(q, k, v, do, offsets, **kw), exact)]
             for name, kw in configs.items()}
 
 
@@ -217,9 +215,7 @@ def _gradients(model, batch, attend, device):
 
 def _agreement(grad, reference):
     """Cosine and relative L2 difference of a gradient against the reference one."""
-    norms = grad.norm() * reference.norm()
-    return dict(cosine=float(grad @ reference / norms) if norms > 0 else 1.0,
-                relative=float((grad - reference).norm() / reference.norm()) if reference.norm() > 0 else 0.0)
+    return dict(cosine=cosine(grad, reference), relative=relative_l2(grad, reference))
 
 
 def probe(model, batch, probe_batch, attend, compare, device, quick):

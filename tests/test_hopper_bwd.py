@@ -21,7 +21,7 @@ from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_
 from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.kernels.common.schedule import slot_tiles, tile_list
 from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
-from jagged_attn.reference import reference_backward, reference_forward
+from jagged_attn.reference import reference_backward, reference_forward, softmax_delta
 
 from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
@@ -200,7 +200,7 @@ def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, 
         sequence.append(quantize_with_factors(seq, scale_factors(byte).repeat_interleave(group, 0)).permute(1, 2, 0))
     expected.update(sequence=torch.cat(sequence, -1), sequence_scale=sequence_scale)
     if out is not None:
-        delta = (x.float() * out.float()).sum(-1) - (0 if dlse is None else dlse)
+        delta = softmax_delta(x, out, dlse)
         expected.update(delta=delta.T,
                         lse2=torch.where(lse == -math.inf, math.inf, lse * (1 / math.log(2))).T)
     return expected
@@ -377,7 +377,7 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=rows, feature_dtype=feature_dtype)
     mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse, rows=rows,
                                             feature_dtype=feature_dtype, dlse=dlse)
-    expected_delta = (dout * out).sum(-1) - (0 if dlse is None else dlse)
+    expected_delta = softmax_delta(dout, out, dlse)
     torch.testing.assert_close(delta, expected_delta.T, rtol=1e-5, atol=1e-4)
     vectors = padded_vectors_of(mq.feature_scale, lse2, mdo.feature_scale, delta)
     if feature_dtype == torch.bfloat16:

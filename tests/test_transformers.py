@@ -27,13 +27,14 @@ def model():
 
 
 def sdpa_logits(model, sequences, **kwargs):
-    """Logits of each sequence alone, through SDPA."""
+    """Logits of each sequence alone, through SDPA (the model's attention is set back afterwards)."""
+    attention = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
         with torch.no_grad():
             return [model(s[None], **kwargs).logits[0] for s in sequences]
     finally:
-        model.set_attn_implementation("jagged_mxfp8")
+        model.set_attn_implementation(attention)
 
 
 def random_sequences():
@@ -135,17 +136,14 @@ def test_training_steps_lower_the_loss():
 def test_packed_rows_on_the_gpu_match_sdpa_and_train():
     """On CUDA in bf16 with the default backend (on Hopper its FP8 kernels; head_dim 64, which they
     support): packed rows against SDPA per sequence, and one training step with finite gradients."""
-    name = register("jagged_mxfp8_gpu")
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    model.set_attn_implementation(register("jagged_mxfp8_gpu"))
     sequences = [s.cuda() for s in random_sequences()]
     ids = torch.cat(sequences)[None]
     positions = torch.cat([torch.arange(n, device="cuda") for n in LENGTHS])[None]
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        refs = [model(s[None]).logits[0] for s in sequences]
-    model.set_attn_implementation(name)
+    refs = sdpa_logits(model, sequences)
     with torch.no_grad():
         packed = model(ids, position_ids=positions).logits[0]
     for got, ref in zip(packed.split(LENGTHS), refs):
