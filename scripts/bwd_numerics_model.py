@@ -74,22 +74,32 @@ def fp8_product(a: torch.Tensor, b: torch.Tensor, truncated: bool) -> torch.Tens
     return total.float()
 
 
-class _TorchWithModelProducts:
-    """``torch`` for ``jagged_attn.reference``, except that S and dP go through :func:`fp8_product`."""
+class _TorchWithModelledEinsum:
+    """``torch`` for ``jagged_attn.reference``, except that each einsum of ``equation`` is
+    ``product(i, *operands)``, i counting those einsums (per sequence the reference makes two: S then
+    dP, or dV then dK)."""
 
-    def __init__(self, truncate_s: bool, truncate_dp: bool):
-        self.truncate = (truncate_s, truncate_dp)
+    def __init__(self, equation: str, product):
+        self.equation, self.product = equation, product
         self.calls = 0
 
     def einsum(self, equation, *operands):
-        if equation != SCORE_PRODUCT:
+        if equation != self.equation:
             return torch.einsum(equation, *operands)
-        truncated = self.truncate[self.calls % 2]  # per sequence: S first, then dP
         self.calls += 1
-        return fp8_product(*operands, truncated)
+        return self.product(self.calls - 1, *operands)
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _reference_torch(proxy):
+    reference.torch = proxy
+    try:
+        yield
+    finally:
+        reference.torch = torch
 
 
 def quantize_ds_tiles(ds: torch.Tensor, running: bool) -> torch.Tensor:
@@ -139,33 +149,12 @@ def chained_dk(ds: torch.Tensor, q: torch.Tensor, flush_every: int | None) -> to
     return out.to(ds.dtype)
 
 
-class _TorchWithModelledDk:
-    """``torch`` for ``jagged_attn.reference``, except that dK's product goes through :func:`chained_dk`."""
-
-    def __init__(self, flush_every: int | None):
-        self.flush_every = flush_every
-        self.calls = 0
-
-    def einsum(self, equation, *operands):
-        if equation != DK_PRODUCT:
-            return torch.einsum(equation, *operands)
-        self.calls += 1
-        if self.calls % 2:  # per sequence: dV first, then dK
-            return torch.einsum(equation, *operands)
-        return chained_dk(*operands, self.flush_every)
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
 def modelled_dk(flush_every: int | None):
     """The reference backward with dK summed as :func:`chained_dk` sums it."""
-    reference.torch = _TorchWithModelledDk(flush_every)
-    try:
-        yield
-    finally:
-        reference.torch = torch
+    def product(call, *operands):  # dV first, then dK
+        return chained_dk(*operands, flush_every) if call % 2 else torch.einsum(DK_PRODUCT, *operands)
+
+    return _reference_torch(_TorchWithModelledEinsum(DK_PRODUCT, product))
 
 
 @contextlib.contextmanager
@@ -173,8 +162,10 @@ def modelled_backward(truncate_s: bool, truncate_dp: bool, running_ds):
     """The reference backward with the modelled S / dP products (``truncate_s`` not None) and dS rule
     (``running_ds`` not None)."""
     reference_rule = mx_format.fake_quantize_square_tiles
-    if truncate_s is not None:
-        reference.torch = _TorchWithModelProducts(truncate_s, truncate_dp)
+    if truncate_s is not None:  # per sequence: S first, then dP
+        truncated = (truncate_s, truncate_dp)
+        reference.torch = _TorchWithModelledEinsum(
+            SCORE_PRODUCT, lambda call, a, b: fp8_product(a, b, truncated[call % 2]))
     if running_ds is not None:
         mx_format.fake_quantize_square_tiles = lambda ds: quantize_ds_tiles(ds, running_ds)
     try:
