@@ -139,9 +139,6 @@ WORKLOAD_SETS = {
         Spec("ads cross 256 h8", ads_lengths, 8, False, False),
     ],
 }
-# The (name, lengths, heads, causal, dense) tuples, each a Workload's first five arguments, that
-# scripts/bench_bwd_kernel.py runs: the design set, as before the fa4 set.
-WORKLOADS = [spec[:5] for spec in WORKLOAD_SETS["design"]]
 
 
 def select(specs, keys):

@@ -1,10 +1,10 @@
 """Benchmark: where a training step's time goes, and the Hopper backward's Gluon kernel alone.
 
-On ``bench.py``'s workloads (head_dim 128):
+On a workload set of ``bench.py`` (``--set``: the design set unless named; head_dim 128 unless the spec fixes one):
 
 * ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``hopper``,
   or ``hopper-exact-scores`` with ``--exact-scores``; forward + backward through autograd;
-  ``torch.profiler`` over five steps), largest first;
+  ``torch.profiler`` over five steps), every kernel, largest first;
 * otherwise: the Gluon backward kernel alone (``hopper_bwd_ws.launch``, the producers run once
   beforehand), with dQ accumulated or not (``--no-dq``), with FP8 S and dP (backend ``hopper``'s) or
   exact ones (``--exact-scores``), as median ms and TFLOP/s, with the sums of
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench import WORKLOADS, Workload, median_ms
+from bench import WORKLOAD_SETS, Workload, median_ms, select
 
 HEAD_DIM = 128
 
@@ -50,7 +50,7 @@ def profile_step(w: Workload, backend: str) -> None:
                       if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0), reverse=True)
     print(f"== {w.name}, {backend}: kernel time per step {sum(k[0] for k in kernels):.2f} ms "
           f"(wall step {median_ms(step):.2f} ms)")
-    for ms, count, name in kernels[:14]:
+    for ms, count, name in kernels:
         print(f"  {ms:7.3f} ms x{count:<3d} {name[:110]}")
 
 
@@ -82,15 +82,14 @@ def main():
     parser.add_argument("--no-dq", action="store_true", help="the backward kernel without dQ")
     parser.add_argument("--exact-scores", action="store_true",
                         help="S and dP exact from bf16 copies (backend hopper-exact-scores); default: FP8 (hopper)")
-    parser.add_argument("--workloads", nargs="*", help="names of bench.py workloads (default: all)")
+    parser.add_argument("--set", default="design", choices=sorted(WORKLOAD_SETS), help="bench.py's workload set")
+    parser.add_argument("--workloads", nargs="*", help="names or indices in the set (default: all)")
     args = parser.parse_args()
     from jagged_attn.kernels.sm90 import hopper_bwd_ws
 
     print("kernels from", hopper_bwd_ws.__file__)
-    for name, lengths, heads, causal, dense in WORKLOADS:
-        if args.workloads and name not in args.workloads:
-            continue
-        w = Workload(name, lengths, heads, causal, dense, HEAD_DIM)
+    for spec in select(WORKLOAD_SETS[args.set], args.workloads):
+        w = Workload.of(spec, spec.dim or HEAD_DIM)
         if args.profile:
             profile_step(w, "hopper-exact-scores" if args.exact_scores else "hopper")
         else:

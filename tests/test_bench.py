@@ -51,13 +51,6 @@ def test_fa4_set_lengths():
     assert 512 <= int(len_k.min()) and int(len_k.max()) <= 2048
 
 
-def test_legacy_workloads_keep_their_tuples():
-    """scripts/bench_bwd_kernel.py and bench_fwd_kernel.py unpack five fields and pass them to Workload."""
-    for entry in bench.WORKLOADS:
-        name, lengths, heads, causal, dense = entry
-        assert isinstance(name, str) and callable(lengths) and isinstance(heads, int)
-
-
 def test_workload_on_cpu_with_gqa():
     spec_ = bench.Spec("tiny gqa", lambda: (torch.tensor([3, 0, 5]), torch.tensor([4, 2, 5])), 4, True, False,
                        heads_kv=2, dim=32)
