@@ -59,7 +59,7 @@ class JaggedTensor:
 
     @property
     def max_length(self) -> int:
-        return max_length(self.offsets)
+        return max_length(self.offsets, self.values.shape[0])
 
     @property
     def feature_shape(self) -> tuple:

@@ -59,7 +59,8 @@ def value_checks(enabled: bool):
     28.6-29.8 ms training step of ``jagged_attention`` on an H200, docs/perf-history.md v15); with offsets
     already checked it waits after queuing its kernels, for its NaN/Inf check alone (v16). A training
     loop over trusted data can skip them. Checks of dtypes, shapes and devices always run. Unchecked
-    bad offsets can make kernels read or write out of bounds."""
+    bad offsets give wrong rows, never an access outside the tensors (``bounded_offsets``, and
+    ``kernels/common/layout.sequence_span`` in the kernels)."""
     previous = getattr(_checks, "off", False)
     _checks.off = not enabled
     try:
@@ -137,9 +138,11 @@ def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-def max_length(offsets: torch.Tensor) -> int:
-    """The longest sequence's length (0 for an empty batch)."""
-    return int(lengths_of(offsets).max()) if offsets.numel() > 1 else 0
+def max_length(offsets: torch.Tensor, rows: int) -> int:
+    """The longest sequence's length (0 for an empty batch) of ``offsets`` over ``rows`` rows, as
+    :func:`bounded_offsets` has them: at most ``rows`` whatever the offsets hold (a kernel grid sized
+    by it stays the tensor's size)."""
+    return int(lengths_of(bounded_offsets(offsets, rows)).max()) if offsets.numel() > 1 else 0
 
 
 def checked_lengths(lengths, device=None) -> torch.Tensor:

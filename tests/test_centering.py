@@ -156,11 +156,13 @@ def test_kernels_match_the_torch_forms(lengths, heads_q, heads_kv, dim):
                                         dim)
 
 
-CENTER_KERNEL_SIGNATURES = {  # pointer arguments and their element types; the rest are constexprs
-    "_partials_kernel": dict(values="*bf16", tiles="*i32", offsets="*i64", sums="*fp32", amax="*fp32"),
-    "_shift_kernel": dict(values="*bf16", out="*bf16", centers="*fp32", tiles="*i32", offsets="*i64"),
+CENTER_KERNEL_SIGNATURES = {  # runtime arguments and their types; the rest are constexprs
+    "_partials_kernel": dict(values="*bf16", tiles="*i32", offsets="*i64", total="i32", sums="*fp32", amax="*fp32"),
+    "_shift_kernel": dict(values="*bf16", out="*bf16", centers="*fp32", tiles="*i32", offsets="*i64",
+                          total="i32"),
     "_unshift_kernel": dict(out="*bf16", lse="*fp32", q="*bf16", new_out="*bf16", new_lse="*fp32",
-                            k_centers="*fp32", v_centers="*fp32", tiles="*i32", offsets="*i64", softmax_scale="fp32"),
+                            k_centers="*fp32", v_centers="*fp32", tiles="*i32", offsets="*i64", total="i32",
+                            softmax_scale="fp32"),
 }
 
 

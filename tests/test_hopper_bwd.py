@@ -290,7 +290,7 @@ def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
     """The backward's producers (and the Gluon path's dQ pass) take their grids from device-built
     tile tables: reading the longest sequence's length makes the host wait for the device, which
     then idles while the host launches what follows (~1 ms of a 24 ms backward on an H200)."""
-    def host_sync(offsets):
+    def host_sync(offsets, rows):
         raise AssertionError("max_length synchronizes with the device")
 
     monkeypatch.setattr(hopper_bwd, "max_length", host_sync)

@@ -268,7 +268,8 @@ def _kernel_signature(out_type):
         work="*i32",
     )
     scalars = dict(
-        scale_log2="fp32", q_scale_bytes_per_head="i32", q_col_tiles="i32", k_groups="i32", t_pad="i32", batch="i32"
+        scale_log2="fp32", q_scale_bytes_per_head="i32", q_col_tiles="i32", k_groups="i32", t_pad="i32", batch="i32",
+        total_q="i32", total_k="i32",
     )
     constexprs = dict(
         HEADS_Q=16,
@@ -559,7 +560,7 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     signature = dict(
         q_desc=q_desc, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
         v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32",
-        scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32",
+        scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32", total_q="i32", total_k="i32",
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
     signature.update({name: "constexpr" for name in constexprs})

@@ -159,7 +159,7 @@ def test_offsets_rewritten_behind_torchs_back_cannot_corrupt_memory():
     CPU, the reference backend's forward and backward, JaggedTensor.to_padded run on the offsets
     forced into the convention, never outside the tensors (the first two aborted the process: "double
     free or corruption"; the reference backward allocated for the claimed lengths; to_padded read past
-    the values). The GPU kernels' case is open (issue #27 item 1)."""
+    the values). The kernels' side is the next test."""
     assert run_child("""
         import numpy as np, torch, jagged_attn as ja
         good = np.array([0, 3, 43, 48])
@@ -187,6 +187,39 @@ def test_offsets_rewritten_behind_torchs_back_cannot_corrupt_memory():
             held[:] = good
         print("no corruption")
     """).endswith("no corruption\n")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kernels_stay_inside_the_tensors_whatever_the_offsets_hold(device):
+    """The kernels' side of the case above: offsets checked, then rewritten behind torch's back
+    (``.data``: its own version counter), reach the Triton and Gluon kernels of the Hopper backend and
+    the quantizer unchecked. Every kernel takes its sequence's span from ``layout.sequence_span``
+    (forced into the tensor's rows) and every grid sized by a length from ``offsets.max_length(offsets,
+    rows)``, so they compute wrong rows at worst and never touch memory outside the tensors (offsets of
+    10^12 read and wrote past them before). CPU: the Triton kernels in the interpreter; CUDA: the Gluon
+    kernels, an out-of-bounds access failing the child at the synchronization."""
+    env = "import os; os.environ['TRITON_INTERPRET'] = '1'\n" if device == "cpu" else ""
+    assert run_child(env + textwrap.dedent("""
+        import sys, torch, jagged_attn as ja
+        device = sys.argv[1]
+        good = torch.tensor([0, 3, 43, 48], device=device)
+        offsets = good.clone()
+        leaves = [torch.randn(48, 2, 64, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+        q, k, v = (x.detach() for x in leaves)
+        calls = [lambda: ja.jagged_attention(*leaves, offsets, causal=True, backend="hopper").float().sum().backward(),
+                 lambda: [ja.quantize_mxfp8(x, offsets, axis=axis) for x, axis in ((q, "feature"), (v, "sequence"))],
+                 lambda: ja.jagged_attention(ja.quantize_mxfp8(q, offsets), ja.quantize_mxfp8(k, offsets),
+                                             ja.quantize_mxfp8(v, offsets, axis="sequence"), backend="hopper")]
+        for call in calls:
+            call()  # checked here; from now on the offsets are known valid
+        for bad in ([0, 60, 2, 48], [0, -100, 10**9, 48], [5, 3, 2, 1], [0, 1, 2, 10**12]):
+            offsets.data.copy_(torch.tensor(bad))
+            for call in calls:
+                call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        print("in bounds")
+    """), device).endswith("in bounds\n")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -23,15 +23,15 @@ def _offsets(lengths):
 
 def test_work_list_is_built_once_per_offsets_and_rebuilt_after_a_write():
     offsets_q, offsets_k = _offsets([3, 200, 0, 129]), _offsets([5, 17, 300, 1])
-    first = work_list(offsets_q, offsets_k, 332, 128, causal=True)
-    assert work_list(offsets_q, offsets_k, 332, 128, causal=True) is first
-    assert work_list(offsets_q, offsets_k, 332, 128, causal=False) is not first  # other params, other table
-    expected_after = work_list(_offsets([200, 3, 0, 129]), offsets_k.clone(), 332, 128, causal=True)
+    first = work_list(offsets_q, offsets_k, 332, 451, 128, causal=True)
+    assert work_list(offsets_q, offsets_k, 332, 451, 128, causal=True) is first
+    assert work_list(offsets_q, offsets_k, 332, 451, 128, causal=False) is not first  # other params, other table
+    expected_after = work_list(_offsets([200, 3, 0, 129]), offsets_k.clone(), 332, 451, 128, causal=True)
     offsets_q.copy_(_offsets([200, 3, 0, 129]))  # same object, new contents
-    rebuilt = work_list(offsets_q, offsets_k, 332, 128, causal=True)
+    rebuilt = work_list(offsets_q, offsets_k, 332, 451, 128, causal=True)
     assert rebuilt is not first and torch.equal(rebuilt, expected_after)
     offsets_k[1:] += 0  # a write to the other source also counts
-    assert work_list(offsets_q, offsets_k, 332, 128, causal=True) is not rebuilt
+    assert work_list(offsets_q, offsets_k, 332, 451, 128, causal=True) is not rebuilt
 
 
 def test_nothing_is_kept_for_inference_tensors_or_after_the_source_dies():

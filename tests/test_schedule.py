@@ -37,7 +37,8 @@ def test_work_list_covers_every_tile_longest_sequence_and_tile_first(len_rows, l
     offsets_rows = offsets_from_lengths(torch.tensor(len_rows)).to(dtype)
     offsets_cols = offsets_from_lengths(torch.tensor(len_cols)).to(dtype)
     total = sum(len_rows)
-    table = work_list(offsets_rows, offsets_cols, total, block, causal=causal, rows_are_queries=rows_are_queries)
+    table = work_list(offsets_rows, offsets_cols, total, sum(len_cols), block, causal=causal,
+                      rows_are_queries=rows_are_queries)
     assert table.dtype == torch.int32 and table.shape == (tile_slots(total, batch, block), 2)
 
     expected, pairs = _expected_tiles(len_rows, len_cols, block, causal, rows_are_queries)
@@ -53,9 +54,9 @@ def test_work_list_covers_every_tile_longest_sequence_and_tile_first(len_rows, l
 
 def test_work_list_empty_batch_and_all_empty_sequences():
     empty = torch.zeros(1, dtype=torch.int64)
-    assert work_list(empty, empty, 0, 128, causal=True).shape == (0, 2)
+    assert work_list(empty, empty, 0, 0, 128, causal=True).shape == (0, 2)
     zeros = torch.zeros(4, dtype=torch.int32)
-    table = work_list(zeros, zeros, 0, 128, causal=False)
+    table = work_list(zeros, zeros, 0, 0, 128, causal=False)
     assert table.shape == (3, 2) and bool((table == EMPTY_SLOT).all())
 
 
@@ -63,7 +64,7 @@ def test_work_list_hundred_thousand_sequences():
     lengths = torch.randint(0, 4, (100_000,))
     offsets = offsets_from_lengths(lengths).to(torch.int32)
     total = int(lengths.sum())
-    table = work_list(offsets, offsets, total, 128, causal=True)
+    table = work_list(offsets, offsets, total, total, 128, causal=True)
     used = table[:, 0] != EMPTY_SLOT
     assert int(used.sum()) == int((lengths > 0).sum())
     assert bool((lengths[table[used, 0].long()] > 0).all()) and bool((table[used, 1] == 0).all())

@@ -145,10 +145,15 @@ floor_scale_byte = triton.jit(mx_format.floor_scale_byte)
 
 
 @triton.jit
-def sequence_span(offsets, seq):
-    """(first row as int64, length as int32) of sequence ``seq`` of a jagged ``offsets`` array."""
-    start = tl.load(offsets + seq).to(tl.int64)
-    return start, (tl.load(offsets + seq + 1) - start).to(tl.int32)
+def sequence_span(offsets, seq, total):
+    """(first row as int64, length as int32) of sequence ``seq`` of a jagged ``offsets`` array over
+    ``total`` rows, forced into ``[0, total]``: valid offsets give their own span, and offsets rewritten
+    after they were validated (where torch's version counter does not see: a numpy array under
+    ``torch.from_numpy``, ``.data``) give wrong rows, never a row outside the tensor, to a kernel that
+    keeps inside its sequence's span."""
+    start = tl.minimum(tl.maximum(tl.load(offsets + seq).to(tl.int64), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(offsets + seq + 1).to(tl.int64), start), total)
+    return start, (end - start).to(tl.int32)
 
 
 @triton.jit
@@ -169,11 +174,12 @@ def owning_sequence(index, offsets, batch, search_steps, block, PADDED_TILES: tl
 
 
 @triton.jit
-def padded_rows_of(rows, offsets, batch, search_steps):
-    """Padded row (``offsets.padded_seq_start`` placement) of each token row in ``rows`` (< total), for
-    kernels whose tiles ignore sequence boundaries (``search_steps = batch.bit_length()``)."""
+def padded_rows_of(rows, offsets, batch, search_steps, total):
+    """Padded row (``offsets.padded_seq_start`` placement) of each token row in ``rows`` (< ``total``), for
+    kernels whose tiles ignore sequence boundaries (``search_steps = batch.bit_length()``); inside the
+    padded rows of ``total`` whatever ``offsets`` hold (see :func:`sequence_span`)."""
     seq = owning_sequence(rows, offsets, batch, search_steps, 1, False)
-    start = tl.load(offsets + seq).to(tl.int64)
+    start = tl.minimum(sequence_span(offsets, seq, total)[0], rows)
     return padded_seq_start(start, seq) + rows - start
 
 

@@ -43,14 +43,16 @@ def tile_slots(total_rows: int, batch: int, block: int) -> int:
 
 
 @triton.jit
-def claimed_tile(tiles, offsets, BLOCK: tl.constexpr, LANES: tl.constexpr):
+def claimed_tile(tiles, offsets, total, BLOCK: tl.constexpr, LANES: tl.constexpr):
     """(sequence, tile, sequence start, sequence length, the tile's ``BLOCK`` rows inside the sequence, lane)
-    of this program's slot of a :func:`tile_list` table ``tiles`` (grid: slots x LANES, lanes fastest:
-    ``layout.slot_program``); sequence ``EMPTY_SLOT`` marks an unused slot (the rest is then meaningless)."""
+    of this program's slot of a :func:`tile_list` table ``tiles`` of ``offsets`` over ``total`` rows (grid:
+    slots x LANES, lanes fastest: ``layout.slot_program``); sequence ``EMPTY_SLOT`` marks an unused slot
+    (the rest is then meaningless). The span is ``layout.sequence_span``'s: inside the rows whatever the
+    offsets hold, so a program that masks its rows by the length stays inside the tensor."""
     slot, lane = layout.slot_program(LANES)
     seq = tl.load(tiles + 2 * slot)
     tile = tl.load(tiles + 2 * slot + 1)
-    start, length = layout.sequence_span(offsets, tl.maximum(seq, 0))
+    start, length = layout.sequence_span(offsets, tl.maximum(seq, 0), total)
     return seq, tile, start, length, tile * BLOCK + tl.arange(0, BLOCK), lane
 
 
@@ -85,9 +87,9 @@ def _visible_pairs(len_rows, len_cols, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, order_keys, slots, batch, search_steps, block,
-                       CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr, WITH_COSTS: tl.constexpr,
-                       SLOTS_PER_PROGRAM: tl.constexpr):
+def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, order_keys, slots, total_rows, total_cols, batch,
+                       search_steps, block, CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr,
+                       WITH_COSTS: tl.constexpr, SLOTS_PER_PROGRAM: tl.constexpr):
     """``table[slot]`` = (sequence, tile) of a batch's slots, ``EMPTY_SLOT`` in each sequence's spare
     one; with ``WITH_COSTS``, ``costs[slot]`` = the tile's visible columns (-1 for an empty slot) and
     ``order_keys[slot]`` = ``-pairs(sequence) * (batch + 1) + sequence`` (int64; the largest int64 for an
@@ -95,13 +97,13 @@ def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, order_keys, slo
     slot = tl.program_id(0) * SLOTS_PER_PROGRAM + tl.arange(0, SLOTS_PER_PROGRAM)
     inside = slot < slots
     seq = layout.owning_sequence(slot, offsets_rows, batch, search_steps, block, True)
-    start, len_rows = layout.sequence_span(offsets_rows, seq)
+    start, len_rows = layout.sequence_span(offsets_rows, seq, total_rows)
     tile = (slot - layout.padded_tile(start, seq, block)).to(tl.int32)
-    used = tile * block < len_rows
+    used = (tile >= 0) & (tile * block < len_rows)  # (tile < 0 only where the offsets are not valid)
     tl.store(table + 2 * slot, tl.where(used, seq, _EMPTY), mask=inside)
     tl.store(table + 2 * slot + 1, tl.where(used, tile, _EMPTY), mask=inside)
     if WITH_COSTS:
-        len_cols = layout.sequence_span(offsets_cols, seq)[1]
+        len_cols = layout.sequence_span(offsets_cols, seq, total_cols)[1]
         tile_start = tile * block
         tile_rows = tl.minimum(len_rows - tile_start, block)
         cost = _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL, ROWS_ARE_QUERIES)
@@ -111,8 +113,8 @@ def _slot_table_kernel(offsets_rows, offsets_cols, table, costs, order_keys, slo
         tl.store(order_keys + slot, tl.where(used, key, _LAST_KEY), mask=inside)
 
 
-def _slot_table(offsets_rows, offsets_cols, total_rows: int, block: int, causal: bool, rows_are_queries: bool,
-                with_costs: bool):
+def _slot_table(offsets_rows, offsets_cols, total_rows: int, total_cols: int, block: int, causal: bool,
+                rows_are_queries: bool, with_costs: bool):
     """(int32 ``[slots, 2]`` table in padded-tile order, and int32 ``[slots]`` costs and int64 ``[slots]``
     order keys, or None and None)."""
     batch = offsets_rows.numel() - 1
@@ -123,7 +125,8 @@ def _slot_table(offsets_rows, offsets_cols, total_rows: int, block: int, causal:
     order_keys = torch.empty(slots, dtype=torch.int64, device=device) if with_costs else None
     if slots:
         _slot_table_kernel[(triton.cdiv(slots, SLOTS_PER_PROGRAM),)](
-            offsets_rows, offsets_cols, table, costs, order_keys, slots, batch, batch.bit_length(), block,
+            offsets_rows, offsets_cols, table, costs, order_keys, slots, total_rows, total_cols, batch,
+            batch.bit_length(), block,
             CAUSAL=causal, ROWS_ARE_QUERIES=rows_are_queries, WITH_COSTS=with_costs,
             SLOTS_PER_PROGRAM=SLOTS_PER_PROGRAM,
         )
@@ -134,7 +137,7 @@ def tile_list(offsets_rows: torch.Tensor, total_rows: int, block: int) -> torch.
     """int32 ``[slots, 2]``: (sequence, tile) of every ``block``-row tile, in sequence order with
     each sequence's spare slot empty: for passes whose tiles all cost the same (no sort)."""
     return reuse.derived((offsets_rows,), ("tiles", total_rows, block), lambda: _slot_table(
-        offsets_rows, None, total_rows, block, False, True, with_costs=False)[0])
+        offsets_rows, None, total_rows, 0, block, False, True, with_costs=False)[0])
 
 
 def slot_tiles(offsets_rows: torch.Tensor, total_rows: int) -> torch.Tensor:
@@ -147,6 +150,7 @@ def work_list(
     offsets_rows: torch.Tensor,
     offsets_cols: torch.Tensor,
     total_rows: int,
+    total_cols: int,
     block: int,
     *,
     causal: bool,
@@ -157,7 +161,7 @@ def work_list(
 
     ``offsets_rows`` are the offsets of the tiled side (``total_rows`` rows in all: the values'
     first dimension, so no host read is needed), ``offsets_cols`` those of the other side
-    (same batch). A sequence's work is its visible (query, key) pairs, a tile's cost the number of
+    (same batch, ``total_cols`` rows). A sequence's work is its visible (query, key) pairs, a tile's cost the number of
     columns its most-seeing row visits; ties keep sequence order, then tile order. Tiles that see no
     column still get a slot (their rows must be written); empty slots are ``(-1, -1)`` at the end.
 
@@ -166,9 +170,10 @@ def work_list(
     each sequence) interleave the tiles of every sequence.
     """
     def build():
-        table, costs, order_keys = _slot_table(offsets_rows, offsets_cols, total_rows, block, causal,
+        table, costs, order_keys = _slot_table(offsets_rows, offsets_cols, total_rows, total_cols, block, causal,
                                                rows_are_queries, with_costs=True)
         by_cost = torch.argsort(costs, descending=True, stable=True)
         return table[by_cost[torch.argsort(order_keys[by_cost], stable=True)]]
 
-    return reuse.derived((offsets_rows, offsets_cols), ("work", total_rows, block, causal, rows_are_queries), build)
+    key = ("work", total_rows, total_cols, block, causal, rows_are_queries)
+    return reuse.derived((offsets_rows, offsets_cols), key, build)

@@ -35,11 +35,11 @@ def _power_of_two_at_least(d):
 
 
 @triton.jit
-def _slot_tile(tiles, offsets, HEADS: tl.constexpr, D: tl.constexpr):
+def _slot_tile(tiles, offsets, total, HEADS: tl.constexpr, D: tl.constexpr):
     """(slot, sequence (0 for an unused slot), head, element offsets [SLOT, D'] in ``[total, HEADS, D]``
     values, inside [SLOT, D'], token rows [SLOT], in_seq [SLOT], channels [D'] (D rounded up to a power of
     two), in_d [D'])."""
-    seq, _, start, length, rows, head = claimed_tile(tiles, offsets, _SLOT_ROWS, HEADS)
+    seq, _, start, length, rows, head = claimed_tile(tiles, offsets, total, _SLOT_ROWS, HEADS)
     in_seq = (rows < length) & (seq >= 0)
     channels = tl.arange(0, _power_of_two_at_least(D))
     in_d = channels < D
@@ -50,8 +50,8 @@ def _slot_tile(tiles, offsets, HEADS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _partials_kernel(values, tiles, offsets, sums, amax, HEADS: tl.constexpr, D: tl.constexpr):
-    slot, _, head, element, inside, _, _, channels, in_d = _slot_tile(tiles, offsets, HEADS, D)
+def _partials_kernel(values, tiles, offsets, total, sums, amax, HEADS: tl.constexpr, D: tl.constexpr):
+    slot, _, head, element, inside, _, _, channels, in_d = _slot_tile(tiles, offsets, total, HEADS, D)
     x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
     partial = (slot.to(tl.int64) * HEADS + head) * D + channels
     tl.store(sums + partial, tl.sum(x, axis=0), mask=in_d)
@@ -59,9 +59,9 @@ def _partials_kernel(values, tiles, offsets, sums, amax, HEADS: tl.constexpr, D:
 
 
 @triton.jit
-def _shift_kernel(values, out, centers, tiles, offsets, HEADS: tl.constexpr, D: tl.constexpr,
+def _shift_kernel(values, out, centers, tiles, offsets, total, HEADS: tl.constexpr, D: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    _, seq, head, element, inside, _, _, channels, in_d = _slot_tile(tiles, offsets, HEADS, D)
+    _, seq, head, element, inside, _, _, channels, in_d = _slot_tile(tiles, offsets, total, HEADS, D)
     center = tl.load(centers + (seq * HEADS + head) * D + channels, mask=in_d)
     x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
     dtype: tl.constexpr = out.dtype.element_ty
@@ -69,9 +69,9 @@ def _shift_kernel(values, out, centers, tiles, offsets, HEADS: tl.constexpr, D: 
 
 
 @triton.jit
-def _unshift_kernel(out, lse, q, new_out, new_lse, k_centers, v_centers, tiles, offsets, softmax_scale,
+def _unshift_kernel(out, lse, q, new_out, new_lse, k_centers, v_centers, tiles, offsets, total, softmax_scale,
                     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
-    _, seq, head, element, inside, rows, in_seq, channels, in_d = _slot_tile(tiles, offsets, HEADS, D)
+    _, seq, head, element, inside, rows, in_seq, channels, in_d = _slot_tile(tiles, offsets, total, HEADS, D)
     center = (seq * (HEADS // GROUP) + head // GROUP) * D + channels
     row_lse = tl.load(lse + rows * HEADS + head, mask=in_seq, other=0.0)
     seen = row_lse != float("-inf")
@@ -100,7 +100,7 @@ def slot_partials(values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Te
     sums = torch.empty(tiles.shape[0], heads, dim, dtype=torch.float32, device=values.device)
     amax = torch.empty_like(sums)
     if sums.numel():
-        _partials_kernel[(tiles.shape[0] * heads,)](values, tiles, offsets, sums, amax, HEADS=heads, D=dim,
+        _partials_kernel[(tiles.shape[0] * heads,)](values, tiles, offsets, total, sums, amax, HEADS=heads, D=dim,
                                                     num_warps=NUM_WARPS)
     return sums, amax
 
@@ -113,7 +113,7 @@ def shifted(values: torch.Tensor, centers: torch.Tensor, offsets: torch.Tensor) 
     out = torch.empty_like(values)
     tiles = slot_tiles(offsets, total)
     if tiles.shape[0] and heads:
-        _shift_kernel[(tiles.shape[0] * heads,)](values, out, centers, tiles, offsets, HEADS=heads, D=dim,
+        _shift_kernel[(tiles.shape[0] * heads,)](values, out, centers, tiles, offsets, total, HEADS=heads, D=dim,
                                                  INTERPRET=INTERPRETED, num_warps=NUM_WARPS)
     return out
 
@@ -127,6 +127,6 @@ def unshifted_outputs(out, lse, q, k_centers, v_centers, offsets_q, softmax_scal
     tiles = slot_tiles(offsets_q, total)
     if tiles.shape[0] and heads:
         _unshift_kernel[(tiles.shape[0] * heads,)](
-            out, lse, q, new_out, new_lse, k_centers, v_centers, tiles, offsets_q, softmax_scale,
+            out, lse, q, new_out, new_lse, k_centers, v_centers, tiles, offsets_q, total, softmax_scale,
             HEADS=heads, GROUP=heads // k_centers.shape[1], D=dim, INTERPRET=INTERPRETED, num_warps=NUM_WARPS)
     return new_out, new_lse

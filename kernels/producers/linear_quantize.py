@@ -85,9 +85,9 @@ def scale_words(byte, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, BLOCKS_PER_WOR
 
 
 @triton.jit
-def zero_padding_rows(offsets, scale_words_, seq, heads, words_per_head, N_COL_TILES: tl.constexpr):
+def zero_padding_rows(offsets, total, scale_words_, seq, heads, words_per_head, N_COL_TILES: tl.constexpr):
     """Zero words for the scale rows of sequence ``seq`` that no token maps to, in every head."""
-    start, length = layout.sequence_span(offsets, seq)
+    start, length = layout.sequence_span(offsets, seq, total)
     first = layout.padded_seq_start(start, seq) + length
     end = layout.padded_seq_start(start + length, seq + 1)
     row = first + tl.arange(0, MAX_PADDING_ROWS)
@@ -169,7 +169,7 @@ def _linear_kernel(
             word = scale_words(byte, BLOCK_M, words, word_channels // 32)
             channel = tile_n * BLOCK_N + word_channels * tl.arange(0, words)
             head_word = (channel // D) * words_per_head + (channel % D) // WORD_CHANNELS * TILE_WORDS
-            padded_rows = layout.padded_rows_of(rows, offsets, batch, search_steps)
+            padded_rows = layout.padded_rows_of(rows, offsets, batch, search_steps, total)
             row_word = layout.scale_byte_offset(padded_rows, 0, n_col_tiles) // 4
             word_inside = (rows < total)[:, None] & (channel < n_features)[None, :]
             tl.store(scale_words_ + row_word[:, None] + head_word[None, :], word, mask=word_inside)
@@ -177,7 +177,8 @@ def _linear_kernel(
             # Flag a non-finite block maximum without reducing the tile: the mask is almost always all false.
             flag_nonfinite(nonfinite, amax)
     elif QUANTIZE:  # the ``batch`` programs after the tiles
-        zero_padding_rows(offsets, scale_words_, pid - m_tiles * n_tiles, n_features // D, words_per_head, n_col_tiles)
+        zero_padding_rows(offsets, total, scale_words_, pid - m_tiles * n_tiles, n_features // D, words_per_head,
+                          n_col_tiles)
 
 
 def _check_operands(x, weight, bias):

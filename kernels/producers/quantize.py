@@ -29,10 +29,10 @@ from jagged_attn.scale_layout import TILE_ROWS, tiled_bytes
 
 from ..common import fp8, layout
 from ..common.interpreter import INTERPRETED
+from ..common.schedule import SLOTS_PER_PROGRAM
 
 TILE_TOKENS = TILE_ROWS  # tokens per program: one scale row tile (feature) / column tile (sequence)
 WIDEST_VECTOR = tl.constexpr(16)  # channels per thread Triton gives a tile unless told less: a 128-bit e4m3 store
-SLOTS_PER_STEP = 1024  # slots the prologue fills per loop step
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
@@ -72,20 +72,18 @@ def block_scale_bytes(blocks, AXES: tl.constexpr, FLOOR: tl.constexpr, INTERPRET
 
 
 @triton.jit
-def _slot_table_kernel(offsets, table, SLOTS_PER_STEP: tl.constexpr):
-    """table[slot] = (first token row, tokens) of every slot of sequence ``program_id`` (tokens 0 past its end)."""
-    seq = tl.program_id(0)
-    start, length = layout.sequence_span(offsets, seq)
-    end = start + length
-    first_slot = layout.padded_seq_start(start, seq) // 128
-    n_slots = (layout.padded_seq_start(end, seq + 1) // 128 - first_slot).to(tl.int32)
-    for step in range(0, n_slots, SLOTS_PER_STEP):
-        tile = step + tl.arange(0, SLOTS_PER_STEP)
-        first_row = start + tile.to(tl.int64) * 128
-        tokens = tl.minimum(tl.maximum(end - first_row, 0), 128)
-        slot = first_slot + tile
-        tl.store(table + 2 * slot, first_row, mask=tile < n_slots)
-        tl.store(table + 2 * slot + 1, tokens, mask=tile < n_slots)
+def _slot_table_kernel(offsets, table, total, slots, batch, search_steps, SLOTS_PER_PROGRAM: tl.constexpr):
+    """table[slot] = (first token row, tokens) of each slot (tokens 0 past its sequence's end). Every slot
+    is written by its own lane, from ``layout.sequence_span``: rows inside ``[0, total]`` whatever the
+    offsets hold."""
+    slot = tl.program_id(0) * SLOTS_PER_PROGRAM + tl.arange(0, SLOTS_PER_PROGRAM)
+    seq = layout.owning_sequence(slot, offsets, batch, search_steps, 128, True)
+    start, length = layout.sequence_span(offsets, seq, total)
+    tile = slot - layout.padded_tile(start, seq, 128)  # (negative only where the offsets are not valid)
+    first_row = start + tl.maximum(tile, 0) * 128
+    tokens = tl.where(tile >= 0, tl.minimum(tl.maximum(start + length - first_row, 0), 128), 0)
+    tl.store(table + 2 * slot, first_row, mask=slot < slots)
+    tl.store(table + 2 * slot + 1, tokens, mask=slot < slots)
 
 
 @triton.constexpr_function
@@ -231,9 +229,11 @@ def _quantize_kernel(
 def slot_table(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``[padded_total / 128, 2]``: (first token row, token count) of every 128-token slot."""
     batch = offsets.numel() - 1
-    table = torch.empty(padded_total(total, batch) // TILE_TOKENS, 2, dtype=torch.int64, device=offsets.device)
-    if batch:
-        _slot_table_kernel[(batch,)](offsets, table, SLOTS_PER_STEP=SLOTS_PER_STEP)
+    slots = padded_total(total, batch) // TILE_TOKENS
+    table = torch.empty(slots, 2, dtype=torch.int64, device=offsets.device)
+    if slots:
+        _slot_table_kernel[(triton.cdiv(slots, SLOTS_PER_PROGRAM),)](
+            offsets, table, total, slots, batch, batch.bit_length(), SLOTS_PER_PROGRAM=SLOTS_PER_PROGRAM)
     return table
 
 

@@ -146,6 +146,8 @@ def forward_kernel(
     offsets_q,
     offsets_k,
     batch,
+    total_q,
+    total_k,
     q_head_bytes,
     k_head_bytes,
     v_head_bytes,
@@ -163,8 +165,8 @@ def forward_kernel(
     """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
     tile, seq = grid_split(batch)
     head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q, seq)
-    k_start, len_k = sequence_span(offsets_k, seq)
+    q_start, len_q = sequence_span(offsets_q, seq, total_q)
+    k_start, len_k = sequence_span(offsets_k, seq, total_k)
     if tile * BLOCK_M >= len_q:
         return
     kv_head = head // (heads_q // heads_kv)
@@ -321,6 +323,8 @@ def dkdv_kernel(
     offsets_q,
     offsets_k,
     batch,
+    total_q,
+    total_k,
     q_feature_head_bytes,
     q_sequence_head_bytes,
     k_feature_head_bytes,
@@ -346,8 +350,8 @@ def dkdv_kernel(
     """
     tile, seq = grid_split(batch)
     kv_head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q, seq)
-    k_start, len_k = sequence_span(offsets_k, seq)
+    q_start, len_q = sequence_span(offsets_q, seq, total_q)
+    k_start, len_k = sequence_span(offsets_k, seq, total_k)
     if tile * BLOCK_N >= len_k:
         return
     q_padded = padded_seq_start(q_start, seq)
@@ -452,6 +456,8 @@ def dq_kernel(
     offsets_q,
     offsets_k,
     batch,
+    total_q,
+    total_k,
     q_feature_head_bytes,
     k_feature_head_bytes,
     k_sequence_head_bytes,
@@ -472,8 +478,8 @@ def dq_kernel(
     """
     tile, seq = grid_split(batch)
     head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q, seq)
-    k_start, len_k = sequence_span(offsets_k, seq)
+    q_start, len_q = sequence_span(offsets_q, seq, total_q)
+    k_start, len_k = sequence_span(offsets_k, seq, total_k)
     if tile * BLOCK_M >= len_q:
         return
     kv_head = head // (heads_q // heads_kv)
@@ -605,7 +611,7 @@ def attention_forward(
 
     out = torch.empty(total_q, heads_q, head_dim, dtype=out_dtype, device=q.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(max_length(q.offsets), BLOCK_M) * q.batch_size, heads_q)
+    grid = (triton.cdiv(max_length(q.offsets, total_q), BLOCK_M) * q.batch_size, heads_q)
     if 0 in grid:
         return out, lse
     q_scales, k_scales, v_scales = _scale_bytes(q), _scale_bytes(k), _scale_bytes(v)
@@ -621,6 +627,8 @@ def attention_forward(
         q.offsets,
         k.offsets,
         q.batch_size,
+        total_q,
+        k.data.shape[0],
         q_scales.stride(0),
         k_scales.stride(0),
         v_scales.stride(0),
@@ -682,7 +690,7 @@ def attention_backward(operands: BackwardOperands, lse, delta, *, causal: bool, 
     }
     lse = lse.contiguous()
     meta = _launch_meta(head_dim, causal)
-    dkdv_grid = (triton.cdiv(max_length(offsets_k), BLOCK_N) * batch, heads_kv)
+    dkdv_grid = (triton.cdiv(max_length(offsets_k, total_k), BLOCK_N) * batch, heads_kv)
     if 0 not in dkdv_grid:
         dkdv_kernel[dkdv_grid](
             q_feature.data,
@@ -704,6 +712,8 @@ def attention_backward(operands: BackwardOperands, lse, delta, *, causal: bool, 
             offsets_q,
             offsets_k,
             batch,
+            total_q,
+            total_k,
             scales["q"].stride(0),
             scales["q_seq"].stride(0),
             scales["k"].stride(0),
@@ -714,7 +724,7 @@ def attention_backward(operands: BackwardOperands, lse, delta, *, causal: bool, 
             BLOCK_M=DKDV_BLOCK_M,
             **meta,
         )
-    dq_grid = (triton.cdiv(max_length(offsets_q), BLOCK_M) * batch, heads_q)
+    dq_grid = (triton.cdiv(max_length(offsets_q, total_q), BLOCK_M) * batch, heads_q)
     if 0 not in dq_grid:
         dq_kernel[dq_grid](
             q_feature.data,
@@ -733,6 +743,8 @@ def attention_backward(operands: BackwardOperands, lse, delta, *, causal: bool, 
             offsets_q,
             offsets_k,
             batch,
+            total_q,
+            total_k,
             scales["q"].stride(0),
             scales["k"].stride(0),
             scales["k_seq"].stride(0),

@@ -114,11 +114,11 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _producer_program(offsets_ptr, tiles_ptr, HEADS: tl.constexpr):
+def _producer_program(offsets_ptr, total, tiles_ptr, HEADS: tl.constexpr):
     """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (slots of
     the ``schedule.tile_list`` table ``tiles`` x HEADS, heads fastest: ``layout.slot_program``); an
     unused slot has length 0, and a tile at or past the sequence's length has nothing to do."""
-    b, tile, seq_start, seq_len, _, h = claimed_tile(tiles_ptr, offsets_ptr, 1, HEADS)
+    b, tile, seq_start, seq_len, _, h = claimed_tile(tiles_ptr, offsets_ptr, total, 1, HEADS)
     used = b >= 0
     return tl.maximum(tile, 0), tl.maximum(b, 0), h, seq_start, tl.where(used, seq_len, 0)
 
@@ -150,14 +150,14 @@ def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
 
 @triton.jit
 def _sequence_amax_kernel(
-    x_ptr, offsets_ptr, tiles_ptr, amax_ptr, batch,
+    x_ptr, offsets_ptr, tiles_ptr, amax_ptr, total, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
     non-negative floats order like their bits."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
     amax = tl.zeros([HEAD_DIM], dtype=tl.float32)
@@ -197,7 +197,7 @@ def _quantize_kernel(
     DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
     wherever Delta goes.
     """
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
     channels = tl.arange(0, HEAD_DIM)
@@ -363,8 +363,8 @@ def _dkdv_kernel(
     """
     n_tile, b = grid_split(batch)
     kv_head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q_ptr, b)
-    k_start, len_k = sequence_span(offsets_k_ptr, b)
+    q_start, len_q = sequence_span(offsets_q_ptr, b, total_q)
+    k_start, len_k = sequence_span(offsets_k_ptr, b, total_k)
     n_start = n_tile * BLOCK_N
     if n_start >= len_k:
         return
@@ -465,8 +465,8 @@ def _dq_kernel(
     dtype ``[total_q, Hq, D]``."""
     m_tile, b = grid_split(batch)
     h = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q_ptr, b)
-    k_start, len_k = sequence_span(offsets_k_ptr, b)
+    q_start, len_q = sequence_span(offsets_q_ptr, b, total_q)
+    k_start, len_k = sequence_span(offsets_k_ptr, b, total_k)
     m_start = m_tile * BLOCK_M
     if m_start >= len_q:
         return
@@ -518,7 +518,7 @@ def _finish_dq_kernel(
     """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, tiles_ptr, HEADS_Q)
+    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS_Q)
     if tile * TILE >= seq_len:
         return
     sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
@@ -582,7 +582,7 @@ def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1,
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
     amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
     if sequence:
-        _sequence_amax_kernel[grid](x, offsets, tiles, amax, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
+        _sequence_amax_kernel[grid](x, offsets, tiles, amax, total, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
                                     num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
     # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (reading
@@ -699,12 +699,12 @@ class _Prepared:
     @cached_property
     def max_len_q(self) -> int:
         """The longest query sequence, for the Triton kernels' grids (waits for the device)."""
-        return max_length(self.offsets_q)
+        return max_length(self.offsets_q, self.total_q)
 
     @cached_property
     def max_len_k(self) -> int:
         """The longest key sequence, for the Triton kernels' grids (waits for the device)."""
-        return max_length(self.offsets_k)
+        return max_length(self.offsets_k, self.total_k)
 
     def shape_constants(self, block_m, block_n, causal, precise_scores, num_warps, num_stages):
         return dict(HEADS_Q=self.heads_q, HEADS_KV=self.heads_kv, HEAD_DIM=self.dim, BLOCK_M=block_m,

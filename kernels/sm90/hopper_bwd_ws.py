@@ -437,8 +437,8 @@ def _attention_backward_kernel(
     if seq < 0:
         return
     n_start = gl.load(work + 2 * slot + 1) * BLOCK_N
-    q_start, len_q = layout.sequence_span(offsets_q, seq)
-    k_start, len_k = layout.sequence_span(offsets_k, seq)
+    q_start, len_q = layout.sequence_span(offsets_q, seq, total_q)
+    k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
     # Query tiles before m_lo see none of the program's keys (causal, bottom-right aligned).
     if CAUSAL:
         m_lo = gl.maximum(n_start - (len_k - len_q), 0) // BLOCK_M * BLOCK_M
@@ -558,7 +558,8 @@ def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumu
     if prep.query_order != layout.PV_ORDER or (accumulate_dq and prep.key_order != layout.DS_ORDER):
         raise ValueError("the Gluon kernel reads Q^T and dO^T in PV_ORDER and, for dQ, K^T in DS_ORDER; "
                          f"got query_order={prep.query_order}, key_order={prep.key_order}")
-    work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, BLOCK_N.value, causal=causal, rows_are_queries=False)
+    work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, prep.total_q, BLOCK_N.value, causal=causal,
+                     rows_are_queries=False)
     if not work.shape[0]:
         return
     _attention_backward_kernel[(work.shape[0] * prep.heads_kv,)](

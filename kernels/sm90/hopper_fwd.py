@@ -127,6 +127,8 @@ def _attention_forward_kernel(
     lse,
     offsets_q,
     offsets_k,
+    total_q,
+    total_k,
     work,
     scale_log2,
     q_scale_bytes_per_head,
@@ -152,8 +154,8 @@ def _attention_forward_kernel(
         return
     tile = tl.load(work + 2 * slot + 1)
     kv_head = (head // (HEADS_Q // HEADS_KV)).to(tl.int64)
-    q_start, len_q = layout.sequence_span(offsets_q, seq)
-    k_start, len_k = layout.sequence_span(offsets_k, seq)
+    q_start, len_q = layout.sequence_span(offsets_q, seq, total_q)
+    k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
 
     row0 = tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -242,12 +244,12 @@ def _forward(
     ``q_mx=None``, high-precision values; the kernel quantizes (by ``rounding``) and rebases its own
     Q tile. ``config`` (default ``tile_config``) must have the BLOCK_N that K was rebased with."""
     total_q, heads_q, dim = q.shape
-    heads_kv = k8.shape[1]
+    total_k, heads_kv, _ = k8.shape
     config = tile_config(dim) if config is None else config
     q_scales, q_per_head, q_col_tiles = scale_args(q_mx, "feature", total_q, offsets_q.numel() - 1, dim, q.device)
     out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
-    work = work_list(offsets_q, offsets_k, total_q, config["BLOCK_M"], causal=causal)
+    work = work_list(offsets_q, offsets_k, total_q, total_k, config["BLOCK_M"], causal=causal)
     if work.shape[0]:
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
             q,
@@ -260,6 +262,8 @@ def _forward(
             lse,
             offsets_q,
             offsets_k,
+            total_q,
+            total_k,
             work,
             softmax_scale * layout.LOG2E.value,
             q_per_head,

@@ -54,12 +54,12 @@ def tile_config(head_dim: int, scores: str = "fp8") -> dict:
 
 
 @gluon.jit
-def _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _tile_span(offsets_q, offsets_k, total_q, total_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(sequence, first row of the program's tile, q start, len_q, k start, len_k, KV tiles to stream)."""
     seq = gl.load(work + 2 * slot)
     row0 = gl.load(work + 2 * slot + 1) * (CONSUMERS * CONSUMER_ROWS)
-    q_start, len_q = layout.sequence_span(offsets_q, seq)
-    k_start, len_k = layout.sequence_span(offsets_k, seq)
+    q_start, len_q = layout.sequence_span(offsets_q, seq, total_q)
+    k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
     if CAUSAL:
         last_row = gl.minimum(row0 + CONSUMERS * CONSUMER_ROWS, len_q) - 1
         col_end = gl.minimum(gl.maximum(last_row + 1 + len_k - len_q, 0), len_k)
@@ -214,8 +214,8 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
 
 @gluon.jit
 def _attention_forward_kernel(
-    q_desc, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work, scale_log2,
-    q_groups, k_groups, batch,
+    q_desc, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k, work,
+    scale_log2, q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr,
@@ -225,8 +225,8 @@ def _attention_forward_kernel(
     slot, head = layout.grid_split(HEADS_Q)
     if gl.load(work + 2 * slot) < 0:
         return
-    seq, row0, q_start, len_q, k_start, len_k, n_tiles = _tile_span(offsets_q, offsets_k, work, slot, BLOCK_N,
-                                                                     CAUSAL)
+    seq, row0, q_start, len_q, k_start, len_k, n_tiles = _tile_span(offsets_q, offsets_k, total_q, total_k, work,
+                                                                     slot, BLOCK_N, CAUSAL)
     kv_head = head // (HEADS_Q // HEADS_KV)
     q_factor_row = head.to(gl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
     k_factor_row = kv_head.to(gl.int64) * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
@@ -280,14 +280,14 @@ def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q
              out_dtype, config):
     """The kernel on rebased Q, K (``rebase_feature``: per token / per ``BLOCK_N`` tile) and V^T."""
     total_q, heads_q, dim = q_rebased.shape
-    heads_kv = k_rebased.shape[1]
+    total_k, heads_kv, _ = k_rebased.shape
     out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q_rebased.device)
     lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q_rebased.device)
-    work = work_list(offsets_q, offsets_k, total_q, BLOCK_M, causal=causal)
+    work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
     if work.shape[0]:
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
             *_descriptors(q_rebased, k_rebased, vt, config["BLOCK_N"]),
-            q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, work,
+            q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k, work,
             softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1,
             HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, num_warps=4, **config,
         )

@@ -144,7 +144,7 @@ def dequantized_feature_rows(
 
 @triton.jit
 def _rebase_feature_kernel(
-    src, scales, offsets, work, dst, factor, nonfinite, n_groups, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, total, work, dst, factor, nonfinite, n_groups, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, CHECK_FINITE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -154,7 +154,7 @@ def _rebase_feature_kernel(
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
     CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``."""
-    seq, tile, start, length, _, head = claimed_tile(work, offsets, BLOCK_T, HEADS)
+    seq, tile, start, length, _, head = claimed_tile(work, offsets, total, BLOCK_T, HEADS)
     if seq < 0:
         return
     slot_start = layout.padded_seq_start(start, seq)  # the sequence's first padded row
@@ -236,11 +236,11 @@ def _sequence_bytes_from_scales(scales, head, seq, start, length, first_row, cha
 
 
 @triton.jit
-def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+def _claimed_chunk(work, offsets, total, exponent, batch, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """:func:`schedule.claimed_tile` of a sequence-axis program (grid: work slots x heads x chunks of ``BLOCK_D``
     channels, chunks fastest) with (head, its channels, their ``exponent [H, B, D]`` entries)."""
-    seq, tile, start, length, rows, lane = claimed_tile(work, offsets, BLOCK_T, HEADS * (D // BLOCK_D))
+    seq, tile, start, length, rows, lane = claimed_tile(work, offsets, total, BLOCK_T, HEADS * (D // BLOCK_D))
     head = lane // (D // BLOCK_D)
     channels = lane % (D // BLOCK_D) * BLOCK_D + tl.arange(0, BLOCK_D)
     entries = exponent + (head.to(tl.int64) * batch + tl.maximum(seq, 0)) * D + channels
@@ -249,15 +249,15 @@ def _claimed_chunk(work, offsets, exponent, batch, HEADS: tl.constexpr, BLOCK_T:
 
 @triton.jit
 def _sequence_exponent_kernel(
-    src, scales, offsets, work, exponent, nonfinite, batch, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, total, work, exponent, nonfinite, batch, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
     (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone).
     CHECK_FINITE (high-precision values): a non-finite channel maximum flagged in ``nonfinite``."""
-    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
-                                                                             BLOCK_T, D, BLOCK_D)
+    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, total, exponent, batch,
+                                                                             HEADS, BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
     if FROM_HIGH_PRECISION:
@@ -273,12 +273,12 @@ def _sequence_exponent_kernel(
 
 @triton.jit
 def _rebase_sequence_kernel(
-    src, scales, offsets, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
+    src, scales, offsets, total, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, exponent, batch, HEADS,
-                                                                             BLOCK_T, D, BLOCK_D)
+    seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, total, exponent, batch,
+                                                                             HEADS, BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
     x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
@@ -316,7 +316,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite
     chunk = FEATURE_CHUNK if mx is None else TOKENS_PER_PROGRAM  # from MXFP8: whole slots
     if work.shape[0]:
         _rebase_feature_kernel[(work.shape[0] * heads,)](
-            values, scales, offsets, work, data, factor, factor if nonfinite is None else nonfinite, n_groups,
+            values, scales, offsets, total, work, data, factor, factor if nonfinite is None else nonfinite, n_groups,
             per_head, col_tiles, HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
             FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
             CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
@@ -342,11 +342,12 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
         kind = "values" if mx is None else "mxfp8"
         exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
         _sequence_exponent_kernel[(work.shape[0] * heads * (dim // exponent_config["BLOCK_D"]),)](
-            values, scales, offsets, work, exponent, exponent if nonfinite is None else nonfinite, batch, per_head,
-            col_tiles, CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **common, **exponent_config
+            values, scales, offsets, total, work, exponent, exponent if nonfinite is None else nonfinite, batch,
+            per_head, col_tiles, CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **common,
+            **exponent_config,
         )
         _rebase_sequence_kernel[(work.shape[0] * heads * (dim // config["BLOCK_D"]),)](
-            values, scales, offsets, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
+            values, scales, offsets, total, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
             ORDER=order, INTERPRET=fp8.INTERPRETED, **common, **config,
         )
     return transposed, exponent
