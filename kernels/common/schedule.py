@@ -28,7 +28,7 @@ import triton.language as tl
 from jagged_attn.offsets import padded_tile
 from jagged_attn.scale_layout import TILE_ROWS
 
-from . import layout, reuse
+from . import bounds, layout, reuse
 
 EMPTY_SLOT = -1
 _EMPTY = tl.constexpr(EMPTY_SLOT)
@@ -58,18 +58,15 @@ def claimed_tile(tiles, offsets, total, BLOCK: tl.constexpr, LANES: tl.constexpr
 
 @triton.jit
 def _visible_columns(tile_start, tile_rows, len_rows, len_cols, CAUSAL: tl.constexpr, ROWS_ARE_QUERIES: tl.constexpr):
-    """Columns that the most-seeing row of a tile visits (bottom-right causal alignment).
-
-    Query ``i`` sees keys ``j <= i + len_k - len_q``. For query tiles the last row sees the most
-    keys; for key tiles (``ROWS_ARE_QUERIES`` False) the first key is seen by the most queries.
-    """
+    """Columns that the most-seeing row of a tile visits (``bounds``' causal rule). For query tiles the
+    last row sees the most keys; for key tiles (``ROWS_ARE_QUERIES`` False) the first key is seen by the
+    most queries."""
     if not CAUSAL:
         seen = len_cols + tl.zeros_like(tile_start)
     elif ROWS_ARE_QUERIES:
-        last_row = tile_start + tile_rows - 1
-        seen = tl.minimum(tl.maximum(last_row + 1 + len_cols - len_rows, 0), len_cols)
+        seen = bounds.keys_seen_below(tile_start + tile_rows, len_cols, bounds.diagonal(len_rows, len_cols))
     else:
-        seen = tl.maximum(len_cols - tl.maximum(tile_start - (len_rows - len_cols), 0), 0)
+        seen = tl.maximum(len_cols - bounds.first_query_seeing(tile_start, bounds.diagonal(len_cols, len_rows)), 0)
     return seen
 
 

@@ -32,7 +32,7 @@ from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import max_length
 
-from ..common import fp8
+from ..common import bounds, fp8
 from ..common.layout import (
     LN2,
     LOG2E,
@@ -86,10 +86,10 @@ def sequence_scales(scales_ptr, padded_start, first_token, col_tiles, D: tl.cons
 @triton.jit
 def visible(queries, keys, len_q, len_k, CAUSAL: tl.constexpr):
     """bool, the broadcast of 2-D index tiles ``queries`` and ``keys``: in range and, when causal,
-    key ``j <= i + len_k - len_q`` (bottom-right aligned)."""
+    seen (``bounds``)."""
     mask = (queries < len_q) & (keys < len_k)
     if CAUSAL:
-        mask = mask & (keys <= queries + (len_k - len_q))
+        mask = mask & bounds.sees(queries, keys, bounds.diagonal(len_q, len_k))
     return mask
 
 
@@ -97,7 +97,7 @@ def visible(queries, keys, len_q, len_k, CAUSAL: tl.constexpr):
 def visible_keys_end(tile, len_q, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """One past the last key that query tile ``tile`` sees."""
     if CAUSAL:
-        return tl.maximum(tl.minimum(len_k, (tile + 1) * BLOCK_M + len_k - len_q), 0)
+        return bounds.keys_seen_below((tile + 1) * BLOCK_M, len_k, bounds.diagonal(len_q, len_k))
     return len_k
 
 
@@ -377,7 +377,7 @@ def dkdv_kernel(
 
     first_query = 0
     if CAUSAL:  # the first query that sees key `first_key`, rounded down to a tile
-        first_query = tl.maximum(first_key - (len_k - len_q), 0) // BLOCK_M * BLOCK_M
+        first_query = bounds.first_query_seeing(first_key, bounds.diagonal(len_q, len_k)) // BLOCK_M * BLOCK_M
     p_scale = tl.full([BLOCK_N, BLOCK_M // MX_BLOCK], P_SCALE_BYTE, tl.uint8)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)

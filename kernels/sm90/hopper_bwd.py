@@ -55,7 +55,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jagged_attn.offsets import max_length, padded_total
 
-from ..common import fp8
+from ..common import bounds, fp8
 from . import hopper_bwd_ws
 from ..common.layout import (
     DS_ORDER,
@@ -242,12 +242,12 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _visible(n, m, len_k, causal_shift, CAUSAL: tl.constexpr):
+def _visible(n, m, len_k, diagonal, CAUSAL: tl.constexpr):
     """bool, broadcast of key indices ``n`` and query indices ``m``: the key exists and
-    (causal, bottom-right aligned) the query sees it."""
+    (causal) the query sees it."""
     visible = n < len_k
     if CAUSAL:
-        visible = visible & (n <= m + causal_shift)
+        visible = visible & bounds.sees(m, n, diagonal)
     return visible
 
 
@@ -287,7 +287,7 @@ def _in_values(product, operand, token_factors):
 def _dkdv_step(
     dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
     q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_desc, dq_row, dq_col,
-    dq_channel_scale, len_q, len_k, causal_shift, padded_q, qk_log2,
+    dq_channel_scale, len_q, len_k, diagonal, padded_q, qk_log2,
     HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -313,7 +313,7 @@ def _dkdv_step(
     s_t = _in_values(tl.dot(k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
     p_t = tl.exp2(s_t * qk_log2 - lse2[None, :])
     if MASKED:
-        p_t = tl.where(_visible(n_idx[:, None], m_idx[None, :], len_k, causal_shift, CAUSAL), p_t, 0.0)
+        p_t = tl.where(_visible(n_idx[:, None], m_idx[None, :], len_k, diagonal, CAUSAL), p_t, 0.0)
 
     p8_t = fp8.to_e4m3(p_t * P_SCALE, INTERPRET)
     scaled_p_t = p_t * token_scales  # dS is formed with the token scales folded in
@@ -368,7 +368,7 @@ def _dkdv_kernel(
     n_start = n_tile * BLOCK_N
     if n_start >= len_k:
         return
-    causal_shift = len_k - len_q
+    diagonal = bounds.diagonal(len_q, len_k)
     n_idx = n_start + tl.arange(0, BLOCK_N)
     n_in = n_idx < len_k
     channels = tl.arange(0, HEAD_DIM)
@@ -384,8 +384,8 @@ def _dkdv_kernel(
     # (All bounds stay multiples of BLOCK_M so the compiler knows the loads are aligned.)
     m_end = tl.cdiv(len_q, BLOCK_M) * BLOCK_M
     if CAUSAL:
-        m_lo = tl.maximum(n_start - causal_shift, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
+        m_lo = bounds.first_query_seeing(n_start, diagonal) // BLOCK_M * BLOCK_M
+        m_full = tl.cdiv(bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal), BLOCK_M) * BLOCK_M
     else:
         m_lo = 0
         m_full = 0
@@ -408,7 +408,7 @@ def _dkdv_kernel(
                     q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off, do_scale_ptr + scale_off,
                     dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off, dq_ptr + q_off,
                     dq_desc, q_start.to(tl.int32), h * HEAD_DIM, dq_channel_scale,
-                    len_q, len_k, causal_shift, padded_q, softmax_scale * LOG2E,
+                    len_q, len_k, diagonal, padded_q, softmax_scale * LOG2E,
                     HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, TMA_REDUCE,
                     INTERPRET,
                 )
@@ -426,7 +426,7 @@ def _dkdv_kernel(
 def _dq_step(
     dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
     k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
-    total_k, padded_k, causal_shift, qk_log2,
+    total_k, padded_k, diagonal, qk_log2,
     HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -442,7 +442,7 @@ def _dq_step(
                 - lse2[:, None])
     if MASKED:
         n_idx = n_start + tl.arange(0, BLOCK_N)
-        p = tl.where(_visible(n_idx[None, :], m_idx[:, None], len_k, causal_shift, CAUSAL), p, 0.0)
+        p = tl.where(_visible(n_idx[None, :], m_idx[:, None], len_k, diagonal, CAUSAL), p, 0.0)
     scaled_p = p * token_scales  # dS is formed with the token scales folded in
     dp = _in_values(tl.dot(do, tl.trans(v), max_num_imprecise_acc=SCORE_ACC_STEP), do,
                     do_scale[:, None] * v_scale[None, :])
@@ -470,7 +470,7 @@ def _dq_kernel(
     m_start = m_tile * BLOCK_M
     if m_start >= len_q:
         return
-    causal_shift = len_k - len_q
+    diagonal = bounds.diagonal(len_q, len_k)
     kv_head = h // (HEADS_Q // HEADS_KV)
     m_idx = m_start + tl.arange(0, BLOCK_M)
     m_in = m_idx < len_q
@@ -489,8 +489,8 @@ def _dq_kernel(
     n_end = len_k
     n_full = len_k // BLOCK_N * BLOCK_N
     if CAUSAL:
-        n_end = tl.minimum(tl.maximum(m_start + BLOCK_M + causal_shift, 0), len_k)
-        n_full = tl.minimum(tl.maximum(m_start + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, n_full)
+        n_end = bounds.keys_seen_below(m_start + BLOCK_M, len_k, diagonal)
+        n_full = bounds.keys_seen_below(m_start + 1, len_k, diagonal) // BLOCK_N * BLOCK_N
     dq_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     ds_byte = SMALLEST_NORMAL_BYTE
     for phase in tl.static_range(2):  # the fully visible key tiles, then the masked ones
@@ -498,7 +498,7 @@ def _dq_kernel(
             dq_acc, ds_byte = _dq_step(
                 dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
                 k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
-                total_k, padded_k, causal_shift, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
+                total_k, padded_k, diagonal, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
                 SCORE_ACC_STEP, INTERPRET,
             )
     k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)

@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..common import layout
+from ..common import bounds, layout
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
@@ -317,7 +317,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
     # token scales (hopper_bwd) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
     k_ds_factor = k_factor * (1.0 / layout.P_SCALE)
-    causal_shift = len_k - len_q
+    diagonal = bounds.diagonal(len_q, len_k)
     # Steps whose query tile some key of the program does not see (causal), or all of them
     # when the key tile runs past the sequence, need the mask.
     partial_keys = n_start + BLOCK_N > len_k
@@ -354,11 +354,11 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
             p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - p_lse2[None, :])
         masked = partial_keys
         if CAUSAL:
-            masked = masked | (m0 < n_start + BLOCK_N - 1 - causal_shift)
+            masked = masked | (m0 < bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal))
         if masked:
             visible = keys[:, None] < len_k
             if CAUSAL:
-                visible = visible & (keys[:, None] <= queries[None, :] + causal_shift)
+                visible = visible & bounds.sees(queries[None, :], keys[:, None], diagonal)
             p = gl.where(visible, p, 0.0)
         q_delta = row_smem.index(rows + Q_DELTA).load(s_cols)
         if EXACT:
@@ -441,7 +441,7 @@ def _attention_backward_kernel(
     k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
     # Query tiles before m_lo see none of the program's keys (causal, bottom-right aligned).
     if CAUSAL:
-        m_lo = gl.maximum(n_start - (len_k - len_q), 0) // BLOCK_M * BLOCK_M
+        m_lo = bounds.first_query_seeing(n_start, bounds.diagonal(len_q, len_k)) // BLOCK_M * BLOCK_M
     else:
         m_lo = 0
     tiles_per_head = gl.maximum(gl.cdiv(len_q, BLOCK_M) - m_lo // BLOCK_M, 0)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from jagged_attn.mxfp8 import MXFP8Jagged, checked_after, largest_magnitudes
 
-from ..common import fp8, layout
+from ..common import bounds, fp8, layout
 from . import hopper_fwd_ws
 from .rebase import (
     dequantized_feature_rows,
@@ -187,13 +187,11 @@ def _attention_forward_kernel(
     )
     k_tile_factor = k_factor + kv_head * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
 
-    # Query i sees keys j <= i + diagonal (causal, bottom-right aligned).
-    diagonal = len_k - len_q
+    diagonal = bounds.diagonal(len_q, len_k)
     if CAUSAL:
-        last_row = tl.minimum(row0 + BLOCK_M, len_q) - 1
-        unmasked_end = tl.minimum(tl.maximum(row0 + 1 + diagonal, 0), len_k)
-        col_end = tl.minimum(tl.maximum(last_row + 1 + diagonal, 0), len_k)
-        last_col = tl.minimum(rows + diagonal, len_k - 1)
+        unmasked_end = bounds.keys_seen_below(row0 + 1, len_k, diagonal)
+        col_end = bounds.keys_seen_below(tl.minimum(row0 + BLOCK_M, len_q), len_k, diagonal)
+        last_col = bounds.last_key_seen(rows, len_k, diagonal)
     else:
         unmasked_end = len_k
         col_end = len_k

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from jagged_attn.mxfp8 import checked_after
 
-from ..common import fp8, layout
+from ..common import bounds, fp8, layout
 from .rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
@@ -61,8 +61,8 @@ def _tile_span(offsets_q, offsets_k, total_q, total_k, work, slot, BLOCK_N: gl.c
     q_start, len_q = layout.sequence_span(offsets_q, seq, total_q)
     k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
     if CAUSAL:
-        last_row = gl.minimum(row0 + CONSUMERS * CONSUMER_ROWS, len_q) - 1
-        col_end = gl.minimum(gl.maximum(last_row + 1 + len_k - len_q, 0), len_k)
+        col_end = bounds.keys_seen_below(gl.minimum(row0 + CONSUMERS * CONSUMER_ROWS, len_q), len_k,
+                                         bounds.diagonal(len_q, len_k))
     else:
         col_end = len_k
     return seq, row0, q_start, len_q, k_start, len_k, gl.cdiv(col_end, BLOCK_N)
@@ -148,13 +148,12 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     rows = row0 + gl.arange(0, ROWS, layout=s_rows)
     in_seq = rows < len_q
     row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
-    diagonal = len_k - len_q
-    # Query i sees keys j <= i + diagonal (causal, bottom-right aligned); tiles from the first
-    # one some row of this consumer does not fully see need the mask.
+    diagonal = bounds.diagonal(len_q, len_k)
+    # Tiles from the first one some row of this consumer does not fully see need the mask.
     if CAUSAL:
-        last_col = gl.minimum(rows + diagonal, len_k - 1)
-        my_end = gl.minimum(gl.maximum(gl.minimum(row0 + ROWS, len_q) + diagonal, 0), len_k)
-        first_masked = gl.minimum(gl.maximum(row0 + 1 + diagonal, 0), len_k) // BLOCK_N
+        last_col = bounds.last_key_seen(rows, len_k, diagonal)
+        my_end = bounds.keys_seen_below(gl.minimum(row0 + ROWS, len_q), len_k, diagonal)
+        first_masked = bounds.keys_seen_below(row0 + 1, len_k, diagonal) // BLOCK_N
     else:
         last_col = gl.full([ROWS], 0, gl.int32, layout=s_rows) + (len_k - 1)
         my_end = len_k
