@@ -43,7 +43,6 @@ inputs. The consumers are at their register ceiling and sensitive to every instr
 sped up (v13) the dQ warpgroup bounds the kernel: its loads and dQ steps (publishing, wgmmas,
 staging, reduce-adds) add ~5 ms to the consumers' ~13.7 (docs/perf-history.md v11-v13).
 """
-from __future__ import annotations
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -56,7 +55,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
 from ..common import bounds, layout
 from ..common.schedule import work_list
@@ -98,6 +99,74 @@ def tile_config(head_dim: int) -> dict:
     return dict(STAGES=2, CONSUMER_REGS=224)
 
 
+@aggregate
+class QueryStages:
+    """The ring of query-side stages the default warpgroup fills and the consumers drain: per stage
+    Q and dO on the feature axis (``[BLOCK_M, D]``), Q^T and dO^T on the sequence axis
+    (``[D, BLOCK_M]``), ``ROW_VECTORS`` per-query vectors (``rows``, ``[STAGES * ROW_VECTORS,
+    BLOCK_M]``); ``q_ready`` / ``do_ready`` signal Q's and dO's loads, ``empty`` both consumers'
+    release."""
+    q: gl.shared_memory_descriptor
+    qt: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    dot: gl.shared_memory_descriptor
+    rows: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    do_ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, q, qt, do, dot, rows, q_ready, do_ready, empty):
+        self.q, self.qt, self.do, self.dot, self.rows = q, qt, do, dot, rows
+        self.q_ready, self.do_ready, self.empty = q_ready, do_ready, empty
+
+
+@aggregate
+class DsExchange:
+    """Each step's dS from the consumers to the dQ warpgroup, double-buffered: ``ds`` e4m3 ``[2 *
+    CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER]`` and ``scale`` fp32 ``[2 * CONSUMERS, 1]`` (buffer b,
+    consumer c at slot ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published into buffer b,
+    ``free[b]`` when the dQ warpgroup is done with it."""
+    ds: gl.shared_memory_descriptor
+    scale: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, ds, scale, ready, free):
+        self.ds, self.scale, self.ready, self.free = ds, scale, ready, free
+
+
+@aggregate
+class KeyTile:
+    """A program's work: key tile ``n_start`` (``BLOCK_N`` keys from there) of sequence ``seq``, KV
+    head ``kv_head``; the sequence's first query row ``q_start`` (int32, for TMA coordinates) and
+    first key row ``k_start``, its lengths, its first padded columns (``layout.padded_seq_start``);
+    the steps: query tiles ``[m_lo, m_end)`` of each query head of the group from ``first_head`` on,
+    ``n_steps`` in all."""
+    seq: gl.tensor
+    kv_head: gl.tensor
+    n_start: gl.tensor
+    q_start: gl.tensor
+    len_q: gl.tensor
+    k_start: gl.tensor
+    len_k: gl.tensor
+    padded_q_start: gl.tensor
+    padded_k_start: gl.tensor
+    first_head: gl.tensor
+    m_lo: gl.tensor
+    m_end: gl.tensor
+    n_steps: gl.tensor
+
+    @constexpr_function
+    def __init__(self, seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_q_start, padded_k_start,
+                 first_head, m_lo, m_end, n_steps):
+        self.seq, self.kv_head, self.n_start = seq, kv_head, n_start
+        self.q_start, self.len_q, self.k_start, self.len_k = q_start, len_q, k_start, len_k
+        self.padded_q_start, self.padded_k_start = padded_q_start, padded_k_start
+        self.first_head, self.m_lo, self.m_end, self.n_steps = first_head, m_lo, m_end, n_steps
+
+
 @gluon.jit
 def _next_query_tile(head, m0, m_lo, m_end):
     """(query head, first query row) of the step after the one at (head, m0): query tiles inner,
@@ -125,22 +194,21 @@ def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transpose
 
 
 @gluon.jit
-def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
-               row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q,
+def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, q_start, padded_q_start, padded_q,
                HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr):
     """The operands of step i (query head ``head``, rows from ``m0``) into stage i % STAGES once both
     consumers released it; with Q its token scales and P_LSE2, with dO Q_DELTA and (not EXACT: the
     exact path's dP is in value units) its token scales (``rows_desc``: the flat
     ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
     stage = i % STAGES
-    mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+    mbarrier.wait(stages.empty.index(stage), ((i // STAGES) & 1) ^ 1)
     row = q_start + m0
     column = padded_q_start + m0
-    _load_pair(q_desc, qt_desc, rows_desc, q_smem, qt_smem, row_smem, q_ready.index(stage), stage, head, row,
-               column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
+    _load_pair(q_desc, qt_desc, rows_desc, stages.q, stages.qt, stages.rows, stages.q_ready.index(stage), stage, head,
+               row, column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
     # dO's vectors: DO_FACTOR and Q_DELTA, or Q_DELTA alone (adjacent: Q_DELTA = DO_FACTOR + 1)
-    _load_pair(do_desc, dot_desc, rows_desc, do_smem, dot_smem, row_smem, do_ready.index(stage), stage, head, row,
-               column, padded_q, DO_FACTOR + EXACT, 2 - EXACT, HEADS_Q, D)
+    _load_pair(do_desc, dot_desc, rows_desc, stages.do, stages.dot, stages.rows, stages.do_ready.index(stage), stage,
+               head, row, column, padded_q, DO_FACTOR + EXACT, 2 - EXACT, HEADS_Q, D)
 
 
 @gluon.jit
@@ -175,21 +243,21 @@ def _shared_scalar(smem):
 
 
 @gluon.jit
-def _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER: gl.constexpr):
+def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     """Publish this warpgroup's dS (e4m3, queries x keys, keys contiguous: FP8 wgmma reads only
     K-major operands) and its scale (``[1]``) in buffer i % 2 for the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
-    mbarrier.wait(ds_free.index(buffer), ((i // 2) & 1) ^ 1)
-    ds_smem.index(slot).store(_as_published_ds(ds8))
-    scale_smem.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
+    mbarrier.wait(exchange.free.index(buffer), ((i // 2) & 1) ^ 1)
+    exchange.ds.index(slot).store(_as_published_ds(ds8))
+    exchange.scale.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
-    mbarrier.arrive(ds_ready.index(buffer), count=1)
+    mbarrier.arrive(exchange.ready.index(buffer), count=1)
 
 
 @gluon.jit
-def _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
+def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
              D: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, ``DQ_PIECE`` columns at a time, added into
     ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
@@ -200,11 +268,12 @@ def _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc
     piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(DQ_PIECE)
     zero = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, layout=piece_layout)
     buffer = i % 2
-    mbarrier.wait(ds_ready.index(buffer), (i // 2) & 1)
-    ds0 = ds_smem.index(buffer * CONSUMERS)
-    ds1 = ds_smem.index(buffer * CONSUMERS + 1)
-    scale0 = _shared_scalar(scale_smem.index(buffer * CONSUMERS))
-    scale1 = gl.maximum(_shared_scalar(scale_smem.index(buffer * CONSUMERS + 1)), scale0 * (1.0 / MAX_SCALE_RATIO))
+    mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
+    ds0 = exchange.ds.index(buffer * CONSUMERS)
+    ds1 = exchange.ds.index(buffer * CONSUMERS + 1)
+    scale0 = _shared_scalar(exchange.scale.index(buffer * CONSUMERS))
+    scale1 = gl.maximum(_shared_scalar(exchange.scale.index(buffer * CONSUMERS + 1)),
+                        scale0 * (1.0 / MAX_SCALE_RATIO))
     ratio = scale0 / scale1
     for piece in gl.static_range(PIECES):
         k0 = kt_smem.index(0).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
@@ -221,36 +290,34 @@ def _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc
         tma.store_wait(0)
         gl.thread_barrier()
         _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * DQ_PIECE], staging)
-    mbarrier.arrive(ds_free.index(buffer), count=1)
+    mbarrier.arrive(exchange.free.index(buffer), count=1)
 
 
 @gluon.jit
-def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem, dot_smem,
-                            row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc,
-                            kv_ready, ds_ready, ds_free, q_start, padded_q_start, padded_q, first_head, m_lo, m_end,
-                            n_steps, HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                            EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kt_smem, dq_even, dq_odd,
+                            dq_desc, kv_ready, tile, padded_q, HEADS_Q: gl.constexpr, D: gl.constexpr,
+                            STAGES: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
     steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
     consumers published their dS, so the consumers never wait for each other."""
-    load_head, load_m0 = first_head, m_lo  # the query tile of the next step to load
+    q_start, padded_q_start = tile.q_start, tile.padded_q_start
+    m_lo, m_end, n_steps = tile.m_lo, tile.m_end, tile.n_steps
+    load_head, load_m0 = tile.first_head, m_lo  # the query tile of the next step to load
     for i in range(gl.minimum(n_steps, STAGES)):
-        _load_step(i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
-                   dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES,
-                   EXACT)
+        _load_step(i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, q_start,
+                   padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
         load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
     if ACCUMULATE_DQ:  # the dQ wgmmas read both consumers' K^T tiles
         mbarrier.wait(kv_ready.index(0), 0)
         mbarrier.wait(kv_ready.index(1), 0)
-    head, m0 = first_head, m_lo
+    head, m0 = tile.first_head, m_lo
     for i in range(n_steps):
         if i + STAGES < n_steps:
-            _load_step(i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem,
-                       do_smem, dot_smem, row_smem, q_ready, do_ready, empty, q_start, padded_q_start, padded_q,
-                       HEADS_Q, D, STAGES, EXACT)
+            _load_step(i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages,
+                       q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
             load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
         if ACCUMULATE_DQ:
-            _dq_step(i, head, m0, ds_smem, scale_smem, kt_smem, dq_even, dq_odd, dq_desc, ds_ready, ds_free, q_start,
+            _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
                      D)
         head, m0 = _next_query_tile(head, m0, m_lo, m_end)
     if ACCUMULATE_DQ:
@@ -280,15 +347,15 @@ def _tile_amax(x, exchange_smem):
 
 
 @gluon.jit
-def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem, qt_smem, do_smem, dot_smem,
-             row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, ds_ready, ds_free, amax_smem,
-             qt_scale, k_scale, v_scale, dot_scale, dk, dv,
-             seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
-             first_head, m_lo, m_end, n_steps, softmax_scale,
+def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages, exchange, amax_smem,
+             qt_scale, k_scale, v_scale, dot_scale, dk, dv, tile, total_k, batch, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
     tile's dS for the dQ warpgroup."""
+    seq, kv_head, n_start = tile.seq, tile.kv_head, tile.n_start
+    len_q, k_start, len_k = tile.len_q, tile.k_start, tile.len_k
+    m_lo, m_end, n_steps = tile.m_lo, tile.m_end, tile.n_steps
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M)
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
@@ -303,7 +370,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
-    tma.async_copy_global_to_shared(kt_desc, [kv_head * D, (padded_k_start + key0).to(gl.int32)], ready,
+    tma.async_copy_global_to_shared(kt_desc, [kv_head * D, (tile.padded_k_start + key0).to(gl.int32)], ready,
                                     kt_smem.index(CONSUMER))
 
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
@@ -328,26 +395,26 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(kv_ready.index(CONSUMER), 0)
-    head, m0 = first_head, m_lo
+    head, m0 = tile.first_head, m_lo
     for i in range(n_steps):
         stage = i % STAGES
         phase = (i // STAGES) & 1
         queries = m0 + gl.arange(0, BLOCK_M, layout=s_cols)
         rows = stage * ROW_VECTORS
 
-        mbarrier.wait(q_ready.index(stage), phase)
-        q_view = q_smem.index(stage).permute((1, 0))
+        mbarrier.wait(stages.q_ready.index(stage), phase)
+        q_view = stages.q.index(stage).permute((1, 0))
         s = warpgroup_mma(k_smem, q_view, score_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(stage), phase)
-        do_view = do_smem.index(stage).permute((1, 0))
+        mbarrier.wait(stages.do_ready.index(stage), phase)
+        do_view = stages.do.index(stage).permute((1, 0))
         dp = warpgroup_mma(v_smem, do_view, score_zero, use_acc=False, is_async=True)
         s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, k_smem, q_view, v_smem, do_view))
         s = gl.convert_layout(s, s_layout, assert_trivial=True)
         dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
         # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
-        q_factor = row_smem.index(rows + Q_FACTOR).load(s_cols)
-        p_lse2 = row_smem.index(rows + P_LSE2).load(s_cols)
+        q_factor = stages.rows.index(rows + Q_FACTOR).load(s_cols)
+        p_lse2 = stages.rows.index(rows + P_LSE2).load(s_cols)
         if EXACT:
             p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
         else:
@@ -360,11 +427,11 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
             if CAUSAL:
                 visible = visible & bounds.sees(queries[None, :], keys[:, None], diagonal)
             p = gl.where(visible, p, 0.0)
-        q_delta = row_smem.index(rows + Q_DELTA).load(s_cols)
+        q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
         if EXACT:
             q_dp = dp * q_factor[None, :] - q_delta[None, :]
         else:
-            q_do_factor = q_factor * row_smem.index(rows + DO_FACTOR).load(s_cols)
+            q_do_factor = q_factor * stages.rows.index(rows + DO_FACTOR).load(s_cols)
             q_dp = (dp * v_factor[:, None]) * q_do_factor[None, :] - q_delta[None, :]
         # dS' on the running scale so far (capped, see DS_PRESCALE_BYTE), moved onto the tile's new
         # scale only when it grew: one multiply per element fewer in the common case.
@@ -380,17 +447,17 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, q_smem,
         # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
         # the dQ warpgroup starts earlier.
         if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
-            _share_ds(ds8, ds_byte, ds_smem, scale_smem, ds_ready, ds_free, i, CONSUMER)
+            _share_ds(ds8, ds_byte, exchange, i, CONSUMER)
 
-        dot_view = dot_smem.index(stage).permute((1, 0))
+        dot_view = stages.dot.index(stage).permute((1, 0))
         dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
-        qt_view = qt_smem.index(stage).permute((1, 0))
+        qt_view = stages.qt.index(stage).permute((1, 0))
         dk_tile = warpgroup_mma(_as_query_operand(ds8, a_layout), qt_view, o_zero, use_acc=False, is_async=True)
         dv_acc, dk_tile, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, dk_tile, dot_view, qt_view))
         # dK from a fresh accumulator, added in fp32: chained FP8 wgmma accumulation truncates the
         # small steps against a large running dK (heavy-tailed inputs' dK missed the 2e-2 bar so).
         dk_acc = dk_acc * rescale + dk_tile
-        mbarrier.arrive(empty.index(stage), count=1)
+        mbarrier.arrive(stages.empty.index(stage), count=1)
         head, m0 = _next_query_tile(head, m0, m_lo, m_end)
 
     channels = gl.arange(0, D, layout=o_cols)
@@ -485,30 +552,26 @@ def _attention_backward_kernel(
         mbarrier.init(do_ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=CONSUMERS)
     fence_async_shared()
+    stages = QueryStages(q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty)
+    exchange = DsExchange(ds_smem, scale_smem, ds_ready, ds_free)
 
-    padded_q_start = layout.padded_seq_start(q_start, seq).to(gl.int32)
-    padded_k_start = layout.padded_seq_start(k_start, seq)
-    first_head = kv_head * group
+    tile = KeyTile(seq, kv_head, n_start, q_start.to(gl.int32), len_q, k_start, len_k,
+                   layout.padded_seq_start(q_start, seq).to(gl.int32), layout.padded_seq_start(k_start, seq),
+                   kv_head * group, m_lo, m_end, n_steps)
     gl.warp_specialize(
         [
-            (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, q_smem, qt_smem, do_smem,
-                                       dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem, kt_smem,
-                                       dq_even, dq_odd, dq_desc, kv_ready, ds_ready, ds_free, q_start.to(gl.int32),
-                                       padded_q_start, padded_q, first_head, m_lo, m_end, n_steps, HEADS_Q, D,
-                                       STAGES, EXACT, ACCUMULATE_DQ)),
+            (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kt_smem,
+                                       dq_even, dq_odd, dq_desc, kv_ready, tile, padded_q, HEADS_Q, D, STAGES,
+                                       EXACT, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
-                        q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
-                        ds_ready, ds_free, amax_smem.slice(0, 32, dim=0),
+                        stages, exchange, amax_smem.slice(0, 32, dim=0),
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
-                        seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
-                        first_head, m_lo, m_end, n_steps, softmax_scale,
+                        tile, total_k, batch, softmax_scale,
                         0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
             (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
-                        q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty, ds_smem, scale_smem,
-                        ds_ready, ds_free, amax_smem.slice(32, 32, dim=0),
+                        stages, exchange, amax_smem.slice(32, 32, dim=0),
                         qt_scale, k_scale, v_scale, dot_scale, dk, dv,
-                        seq, kv_head, n_start, q_start, len_q, k_start, len_k, padded_k_start, total_k, batch,
-                        first_head, m_lo, m_end, n_steps, softmax_scale,
+                        tile, total_k, batch, softmax_scale,
                         1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
         ],
         [4, 4],

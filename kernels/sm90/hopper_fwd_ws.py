@@ -13,10 +13,9 @@ are their exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA r
 ``hopper_fwd``: exp2 domain, row maximum rounded up to an integer, P on the static 2^8 scale.
 """
 
-from __future__ import annotations
-
 import torch
 from triton.experimental import gluon
+from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -25,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
 from jagged_attn.mxfp8 import checked_after
 
@@ -53,6 +54,22 @@ def tile_config(head_dim: int, scores: str = "fp8") -> dict:
                 ROW_TREE=head_dim == 128)
 
 
+@aggregate
+class KVStages:
+    """The ring of KV stages the loader warp fills and both consumers drain: K tiles ``k``
+    ``[STAGES, BLOCK_N, D]``, V^T tiles ``v`` ``[STAGES, D, BLOCK_N]``; ``k_ready`` / ``v_ready`` signal
+    their loads, ``empty`` both consumers' release."""
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, k, v, k_ready, v_ready, empty):
+        self.k, self.v, self.k_ready, self.v_ready, self.empty = k, v, k_ready, v_ready, empty
+
+
 @gluon.jit
 def _tile_span(offsets_q, offsets_k, total_q, total_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(sequence, first row of the program's tile, q start, len_q, k start, len_k, KV tiles to stream)."""
@@ -69,18 +86,18 @@ def _tile_span(offsets_q, offsets_k, total_q, total_k, work, slot, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _load_kv(k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_row, k_col, vt_row, vt_col, n_tiles,
+def _load_kv(k_desc, vt_desc, kv, k_row, k_col, vt_row, vt_col, n_tiles,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Loader warp: K tile i into stage i % STAGES once both consumers released its previous use."""
     for i in range(n_tiles):
         stage = i % STAGES
-        mbarrier.wait(kv_empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], k_ready.index(stage),
-                                        k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(vt_desc, [vt_row, vt_col + i * BLOCK_N], v_ready.index(stage),
-                                        v_smem.index(stage))
+        mbarrier.wait(kv.empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv.k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], kv.k_ready.index(stage),
+                                        kv.k.index(stage))
+        mbarrier.expect(kv.v_ready.index(stage), vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vt_desc, [vt_row, vt_col + i * BLOCK_N], kv.v_ready.index(stage),
+                                        kv.v.index(stage))
 
 
 @gluon.jit
@@ -123,11 +140,10 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, k_smem, v_smem, k_ready, v_ready,
-             kv_empty, seq, head, kv_head, rows0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row,
-             n_tiles, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
-             ROW_TREE: gl.constexpr):
+def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, seq, head, kv_head, rows0,
+             q_start, len_q, len_k, q_col, q_factor_row, k_factor_row, n_tiles, scale_log2, batch,
+             CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr, ROW_TREE: gl.constexpr):
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
@@ -169,27 +185,27 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     for i in range(my_tiles):
         stage = i % STAGES
         phase = (i // STAGES) & 1
-        mbarrier.wait(k_ready.index(stage), phase)
+        mbarrier.wait(kv.k_ready.index(stage), phase)
         k_tile_factor = gl.load(k_factor + k_factor_row + i)
-        k_view = k_smem.index(stage).permute((1, 0))
+        k_view = kv.k.index(stage).permute((1, 0))
         s = warpgroup_mma(q_smem, k_view, s_zero, use_acc=False, is_async=True)
         s, _, _ = warpgroup_mma_wait(0, deps=(s, q_smem, k_view))
         p, alpha, row_max, row_sum = _scores_to_probabilities(
             s, row_scale, k_tile_factor, row_max, row_sum, i * BLOCK_N, last_col, i >= first_masked, BLOCK_N, s_rows,
             s_cols, ROW_TREE)
         p8 = _as_pv_operand(p, p_layout)
-        mbarrier.wait(v_ready.index(stage), phase)
-        v_view = v_smem.index(stage).permute((1, 0))
+        mbarrier.wait(kv.v_ready.index(stage), phase)
+        v_view = kv.v.index(stage).permute((1, 0))
         # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
         # alignment, which would bias small late tiles towards zero against a large running O.
         o_tile = warpgroup_mma(p8, v_view, o_zero, use_acc=False, is_async=True)
         o_tile, _ = warpgroup_mma_wait(0, deps=(o_tile, v_view))
-        mbarrier.arrive(kv_empty.index(stage), count=1)
+        mbarrier.arrive(kv.empty.index(stage), count=1)
         acc = gl.fma(acc, gl.convert_layout(alpha, o_rows)[:, None], o_tile)
     # Tiles this consumer's rows never see (causal): released all the same.
     for i in range(my_tiles, n_tiles):
-        mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
-        mbarrier.arrive(kv_empty.index(i % STAGES), count=1)
+        mbarrier.wait(kv.k_ready.index(i % STAGES), (i // STAGES) & 1)
+        mbarrier.arrive(kv.empty.index(i % STAGES), count=1)
 
     channels = gl.arange(0, D, layout=o_cols)
     v_factor = layout.scale_value(gl.load(v_exponent + (kv_head * batch + seq) * D + channels))
@@ -248,18 +264,17 @@ def _attention_forward_kernel(
     EXACT: gl.constexpr = SCORES == "bf16"
     q_col = head * D
     vt_col = layout.padded_seq_start(k_start, seq).to(gl.int32)
+    kv = KVStages(k_smem, v_smem, k_ready, v_ready, kv_empty)
     gl.warp_specialize(
         [
-            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), k_smem,
-                        v_smem, k_ready, v_ready, kv_empty, seq, head, kv_head, row0, q_start, len_q, len_k, q_col,
-                        q_factor_row, k_factor_row, n_tiles, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL, ROW_TREE)),
-            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), k_smem,
-                        v_smem, k_ready, v_ready, kv_empty, seq, head, kv_head, row0, q_start, len_q, len_k, q_col,
-                        q_factor_row, k_factor_row, n_tiles, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL, ROW_TREE)),
-            (_load_kv, (k_desc, vt_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_start.to(gl.int32),
-                        kv_head * D, kv_head * D, vt_col, n_tiles, BLOCK_N, STAGES)),
+            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), kv,
+                        seq, head, kv_head, row0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row, n_tiles,
+                        scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), kv,
+                        seq, head, kv_head, row0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row, n_tiles,
+                        scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+            (_load_kv, (k_desc, vt_desc, kv, k_start.to(gl.int32), kv_head * D, kv_head * D, vt_col, n_tiles,
+                        BLOCK_N, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
