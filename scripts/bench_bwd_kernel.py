@@ -55,12 +55,12 @@ def profile_step(w: Workload, backend: str) -> None:
 
 
 def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -> None:
-    from jagged_attn.kernels.sm90 import hopper_bwd, hopper_bwd_ws
+    from jagged_attn.kernels.sm90 import bwd_passes, hopper_bwd_ws
 
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
-    prep = hopper_bwd._Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, exact_scores=exact_scores,
-                                **hopper_bwd.gluon_preparation(not accumulate_dq))
+    prep = bwd_passes.Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, exact_scores=exact_scores,
+                                **bwd_passes.gluon_preparation(not accumulate_dq))
     dq_accum = torch.zeros(w.q.shape[0] + hopper_bwd_ws.BLOCK_M.value, w.heads, w.dim, device="cuda")
     dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
 

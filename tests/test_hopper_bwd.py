@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from jagged_attn.kernels.common import layout
-from jagged_attn.kernels.sm90 import hopper_bwd, hopper_bwd_ws
+from jagged_attn.kernels.sm90 import bwd_passes, hopper_bwd, hopper_bwd_ws
 from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.kernels.common.schedule import slot_tiles, tile_list
-from jagged_attn.offsets import offsets_from_lengths, padded_seq_start
+from jagged_attn.offsets import offsets_from_lengths, padded_seq_start, padded_total
 from jagged_attn.reference import reference_backward, reference_forward, softmax_delta
 
 from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
 
 # What hopper_bwd._backward_into prepares for the Gluon kernel (dQ accumulated).
-GLUON_PREPARATION = hopper_bwd.gluon_preparation()
+GLUON_PREPARATION = bwd_passes.gluon_preparation()
 
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
@@ -180,7 +180,7 @@ def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
 
 
 def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None):
-    """What ``hopper_bwd._quantize`` writes, in torch (name -> tensor): the sequence-axis copy at the
+    """What ``bwd_passes.quantize_for_backward`` writes, in torch (name -> tensor): the sequence-axis copy at the
     columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end."""
     values = x.float()
     token_byte = scale_bytes(values.abs().amax(-1))  # [total, H]
@@ -237,7 +237,7 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
 
     monkeypatch.setattr(torch, "empty", poisoned)
     options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse, dlse=dlse)
-    result, delta, lse2 = hopper_bwd._quantize(x, offsets, feature=True, sequence=True, **options)
+    result, delta, lse2 = bwd_passes.quantize_for_backward(x, offsets, feature=True, sequence=True, **options)
     monkeypatch.undo()
     got = dict(feature=result.feature, feature_scale=result.feature_scale,
                sequence=result.sequence[..., written_columns(offsets)], sequence_scale=result.sequence_scale)
@@ -262,9 +262,10 @@ def test_ordered_copies_are_the_natural_copy_permuted_in_each_slot(order, key_sl
     and K^T) are the natural transposed copy with each 128-token slot's columns in ``pv_key_slot``
     or ``ds_key_slot`` order; everything else equal."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 31, 129], [1, 1, 1, 1], 4, 2, 64)
-    natural, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=2)
-    reordered, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
-                                           group=2, order=order)
+    quantize = functools.partial(bwd_passes.quantize_for_backward, q, offsets_q, feature=True, sequence=True,
+                                 normalize_tokens=True, group=2)
+    natural, _, _ = quantize()
+    reordered, _, _ = quantize(order=order)
     columns = torch.arange(128, natural.sequence.shape[2])  # the empty sequence 0's slot is never written or read
     slots = columns // 128 * 128 + key_slot(columns % 128)
     assert torch.equal(reordered.sequence[..., slots].view(torch.uint8), natural.sequence[..., 128:].view(torch.uint8))
@@ -293,12 +294,12 @@ def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
     def host_sync(offsets, rows):
         raise AssertionError("max_length synchronizes with the device")
 
-    monkeypatch.setattr(hopper_bwd, "max_length", host_sync)
+    monkeypatch.setattr(bwd_passes, "max_length", host_sync)
     q, k, v, dout, offsets_q, offsets_k = make_inputs([0, 1, 129, 33], [5, 0, 64, 200], 4, 2, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=True)
-    assert prep.tiles_q.shape[0] == prep.total_q // hopper_bwd.PRODUCER_TILE + prep.batch
+    assert prep.tiles_q.shape[0] == prep.total_q // bwd_passes.PRODUCER_TILE + prep.batch
     with pytest.raises(AssertionError, match="synchronizes"):
         prep.max_len_q  # the Triton kernels' grids still read it
 
@@ -309,11 +310,11 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     lengths_q, lengths_k, heads_q, heads_kv, dim = [3, 0, 130], [5, 2, 7], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
+    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
     sums = torch.randn(q.shape[0] + 64, heads_q, dim)
     dq = torch.full_like(q, math.nan)
     tiles = tile_list(offsets_q, q.shape[0], 64)
-    hopper_bwd._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
+    bwd_passes._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
         sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
         HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
@@ -343,7 +344,7 @@ def test_gluon_kernel_arguments_build_on_the_host():
     lengths_q, heads_q, heads_kv, dim = [0, 3, 130, 1], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
     dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, heads_q, dim)
     descriptors = hopper_bwd_ws._descriptors(prep, dq_accum)
     rows = hopper_bwd_ws.BLOCK_M.value
@@ -372,11 +373,12 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, heads, 2, 64)
     out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
     dlse = 10 * torch.randn(lse.shape) if feature_dtype == torch.bfloat16 else None
-    padded_q = hopper_bwd.padded_total(q.shape[0], len(lengths))
+    padded_q = padded_total(q.shape[0], len(lengths))
     rows = torch.full((hopper_bwd_ws.ROW_VECTORS.value, heads, padded_q), math.nan)
-    mq, _, _ = hopper_bwd._quantize(q, offsets, feature=True, sequence=False, rows=rows, feature_dtype=feature_dtype)
-    mdo, delta, lse2 = hopper_bwd._quantize(dout, offsets, feature=True, sequence=False, out=out, lse=lse, rows=rows,
-                                            feature_dtype=feature_dtype, dlse=dlse)
+    mq, _, _ = bwd_passes.quantize_for_backward(q, offsets, feature=True, sequence=False, rows=rows,
+                                                feature_dtype=feature_dtype)
+    mdo, delta, lse2 = bwd_passes.quantize_for_backward(dout, offsets, feature=True, sequence=False, out=out, lse=lse,
+                                                        rows=rows, feature_dtype=feature_dtype, dlse=dlse)
     expected_delta = softmax_delta(dout, out, dlse)
     torch.testing.assert_close(delta, expected_delta.T, rtol=1e-5, atol=1e-4)
     vectors = padded_vectors_of(mq.feature_scale, lse2, mdo.feature_scale, delta)
@@ -419,8 +421,9 @@ def test_exact_score_copies_hold_the_mx_values():
     """``feature_dtype=bf16`` (Q and K for the Gluon kernel's exact S) stores the MX values of the
     e4m3 feature copy (its e4m3 values times the token scales, exactly), with the same token scales."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 33, 70], [1, 1, 1, 1], 4, 2, 64, kind="heavy")
-    e4m3, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=False)
-    bf16, _, _ = hopper_bwd._quantize(q, offsets_q, feature=True, sequence=False, feature_dtype=torch.bfloat16)
+    e4m3, _, _ = bwd_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False)
+    bf16, _, _ = bwd_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False,
+                                                  feature_dtype=torch.bfloat16)
     assert bf16.feature.dtype == torch.bfloat16
     assert torch.equal(bf16.feature.float(), mx_values(e4m3))
     assert torch.equal(bf16.feature_scale, e4m3.feature_scale)
@@ -434,7 +437,7 @@ def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq
     before any launch."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 70], [5, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
+    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
     with pytest.raises(ValueError, match="PV_ORDER"):
         hopper_bwd_ws.launch(prep, torch.zeros(80, 2, 64), torch.empty_like(k), torch.empty_like(v),
                              softmax_scale=0.125, causal=False, accumulate_dq=accumulate_dq)
@@ -447,8 +450,8 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    fp8 = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
-    exact = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+    fp8 = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    exact = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                  exact_scores=True)
     for name in ("q", "k", "v", "do"):
         a, b = getattr(fp8, name), getattr(exact, name)
@@ -474,7 +477,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
-    prep = hopper_bwd._Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=exact_scores)
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
     dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, 8, dim)
@@ -513,18 +516,18 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
     with_dlse = tensor == "dout+dlse"
     rows = dict(SCALE_ROW=-1 if is_do else ws.Q_FACTOR.value, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
                 Q_FACTOR_ROW=ws.Q_FACTOR.value, Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=hopper_bwd.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
-                 GROUP=1 if is_do else 2, CHUNK=hopper_bwd.PRODUCER_CHUNK)
-    passes = [("_sequence_amax_kernel", shape, hopper_bwd.AMAX_WARPS),
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=bwd_passes.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
+                 GROUP=1 if is_do else 2, CHUNK=bwd_passes.PRODUCER_CHUNK)
+    passes = [("_sequence_amax_kernel", shape, bwd_passes.AMAX_WARPS),
               ("_quantize_kernel", dict(shape, FEATURE=True, SEQUENCE=True, DELTA=is_do, DLSE=with_dlse,
                                         ORDER=layout.PV_ORDER.value, INTERPRET=False, **rows),
-               hopper_bwd.QUANTIZE_WARPS)]
+               bwd_passes.QUANTIZE_WARPS)]
     for kernel, constexprs, warps in passes:
-        names = getattr(hopper_bwd, kernel).arg_names
+        names = getattr(bwd_passes, kernel).arg_names
         pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*bf16", sequence_ptr="*fp8e4nv",
                         offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
-        ptx = compile_ptx("jagged_attn.kernels.sm90.hopper_bwd", kernel, _signature(names, pointers, constexprs),
+        ptx = compile_ptx("jagged_attn.kernels.sm90.bwd_passes", kernel, _signature(names, pointers, constexprs),
                           constexprs, arch=90, num_warps=warps,
                           aligned=[n for n in names if n.endswith("_ptr") or n == "padded"])  # padded: 128k
         report = ptxas_report(ptx, 90)
@@ -772,14 +775,14 @@ def test_gpu_timing():
             ms = _median_ms(_ours, *problem, causal=causal, softmax_scale=scale, deterministic=deterministic, **config)
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
         # Where the Gluon kernel's time goes: producers, the kernel with and without dQ, the Triton dQ kernel.
-        prep = hopper_bwd._Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
+        prep = bwd_passes.Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
         # The deterministic path's Triton dQ kernel reads K^T in natural order (hopper_bwd._backward_into).
-        det_prep = hopper_bwd._Prepared(*problem, query_order=layout.PV_ORDER, exact_scores=True)
+        det_prep = bwd_passes.Prepared(*problem, query_order=layout.PV_ORDER, exact_scores=True)
         dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, *q.shape[1:], device="cuda")
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [
-            ("producers (4 tensors)", _median_ms(hopper_bwd._Prepared, *problem, **GLUON_PREPARATION,
+            ("producers (4 tensors)", _median_ms(bwd_passes.Prepared, *problem, **GLUON_PREPARATION,
                                                  exact_scores=True)),
             ("Gluon dK/dV kernel + dQ reduce-adds", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
                                                                accumulate_dq=True, **launch)),
@@ -799,15 +802,15 @@ def test_gpu_timing():
 def test_gpu_preprocessing_bandwidth():
     """The dO producer as the default backward runs it (amax pass + quantize pass with Delta; the
     feature copy as bf16 e4m3 values for the exact dP, dO^T in pv order, the Gluon kernel's padded
-    per-query vectors, the slot table built once per call and shared, as ``hopper_bwd._Prepared``
+    per-query vectors, the slot table built once per call and shared, as ``bwd_passes.Prepared``
     does) against a device-to-device copy."""
     _, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
     rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense
-    produce_ms = _median_ms(hopper_bwd._quantize, dout, offsets_q, feature=True, sequence=True, out=out, lse=lse,
-                            order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles, rows=rows)
+    produce_ms = _median_ms(bwd_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True, out=out,
+                            lse=lse, order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles, rows=rows)
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
     # sequence copy written; per token and head fp32: LSE and Q's token scale read, dO's token scale
     # written, Delta and lse2 written twice (flat and padded).

@@ -29,66 +29,42 @@ scale is kept constant along the reduction of the GEMM that reads it and applied
   power of two <= 1 when the maximum grows, never overflows, and tiles far below the maximum
   (whose contribution is as far below) are quantized on its grid.
 
-Kernels: a memory-bound producer in two passes (:func:`_sequence_amax_kernel`, then
-:func:`_quantize_kernel`; for dO the second pass emits both layouts, Delta and the LSE in log2
-units at once); the main kernel (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV
-head), looping over the query heads of its GQA group and their query tiles, accumulating dK and
-dV in registers and, by default, adding dQ tiles into an fp32 buffer with TMA bulk reduce-adds);
-and for ``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`). On GPUs
-``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of :func:`_dkdv_kernel` (producers
-storing the sequence-axis copies in the token orders it reads; its dQ sums scaled by
-:func:`_finish_dq_kernel`), by default on bf16 copies of Q, K, V and dO's MX values so that S
-and dP are exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which on
-heavy-tailed or outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1
-(docs/perf-history.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3 (v7, v8);
-the Triton kernels run in the CPU interpreter (CI).
+Kernels: a memory-bound producer in two passes per tensor (``bwd_passes``; for dO the second pass
+emits both layouts, Delta and the LSE in log2 units at once); the main kernel (:func:`_dkdv_kernel`,
+one program per (key tile, sequence, KV head), looping over the query heads of its GQA group and
+their query tiles, accumulating dK and dV in registers and, by default, adding dQ tiles into an fp32
+buffer with TMA bulk reduce-adds); and for ``deterministic=True`` a separate dQ kernel
+(:func:`_dq_kernel`). On GPUs ``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of
+:func:`_dkdv_kernel` (producers storing the sequence-axis copies in the token orders it reads; its
+dQ sums scaled by ``bwd_passes.finish_dq``), by default on bf16 copies of Q, K, V and dO's MX values
+so that S and dP are exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which
+on heavy-tailed or outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1
+(docs/perf-history.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3
+(v7, v8); the Triton kernels run in the CPU interpreter (CI).
 """
 
 from __future__ import annotations
-
-from functools import cached_property
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jagged_attn.offsets import max_length, padded_total
-
 from ..common import bounds, fp8
-from . import hopper_bwd_ws
+from . import bwd_passes, hopper_bwd_ws
 from ..common.layout import (
-    DS_ORDER,
     LOG2E,
-    NATURAL_ORDER,
-    PV_ORDER,
     P_SCALE,
-    P_STATIC_EXP,
     SMALLEST_NORMAL_BYTE,
-    fold_max,
     grid_split,
     grown_scale_byte,
     padded_seq_start,
-    scale_byte_of_amax,
     scale_factor,
     scale_inverse,
     scale_value,
     sequence_span,
-    store_sequence_copy,
 )
-from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
-PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
-# Warps of the producer's two passes (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms with four each
-# against eight, docs/perf-history.md v9; the amax pass then 0.101 -> 0.080 ms with two, ads K 0.465 -> 0.351, v16),
-# and of the dQ finish pass. Both passes take their 128-token slot in chunks of PRODUCER_CHUNK tokens (a
-# power of two from 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms against whole slots; 32
-# and 16, though lighter on registers, 0.488 and 0.858 (docs/perf-history.md v14). Re-swept with the heads of a
-# slot fastest (v17): the same choices.
-AMAX_WARPS = 2
-QUANTIZE_WARPS = 4
-PRODUCER_CHUNK = 64
-FINISH_DQ_WARPS = 8
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
 # fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
 # the reference on peaked inputs and was not slower (docs/perf-history.md), so it is the GPU default.
@@ -108,134 +84,6 @@ def _quantize_running(x, running_byte, INTERPRET: tl.constexpr):
     """
     byte, rescale = grown_scale_byte(tl.max(tl.max(tl.abs(x), axis=1), axis=0), running_byte)
     return fp8.to_e4m3(x * scale_factor(byte), INTERPRET), byte, rescale
-
-
-# ----------------------------------------------------------------------------- producer
-
-
-@triton.jit
-def _producer_program(offsets_ptr, total, tiles_ptr, HEADS: tl.constexpr):
-    """(tile, sequence, head, sequence start, sequence length) of a per-tile program, grid (slots of
-    the ``schedule.tile_list`` table ``tiles`` x HEADS, heads fastest: ``layout.slot_program``); an
-    unused slot has length 0, and a tile at or past the sequence's length has nothing to do."""
-    b, tile, seq_start, seq_len, _, h = claimed_tile(tiles_ptr, offsets_ptr, total, 1, HEADS)
-    used = b >= 0
-    return tl.maximum(tile, 0), tl.maximum(b, 0), h, seq_start, tl.where(used, seq_len, 0)
-
-
-@triton.jit
-def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
-    """fp32 tile ``[TILE, D]`` of the sequence at ``seq_start``, head ``h`` (zeros past its end), its
-    natural offsets, its token rows inside the sequence and the in-sequence mask."""
-    rows = tile * TILE + tl.arange(0, TILE)
-    in_seq = rows < seq_len
-    natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-    return x, natural, rows, in_seq
-
-
-@triton.jit
-def _token_scale_byte(x):
-    """Per-row E8M0 byte of a ``[rows, D]`` tile: the head_dim-axis scale of each token."""
-    return scale_byte_of_amax(tl.max(tl.abs(x), axis=1), False)
-
-
-@triton.jit
-def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
-    """What the sequence-axis copy quantizes: ``x``, or ``x`` over each token's own scale."""
-    if NORMALIZE_TOKENS:
-        x = x * scale_factor(_token_scale_byte(x))[:, None]
-    return x
-
-
-@triton.jit
-def _sequence_amax_kernel(
-    x_ptr, offsets_ptr, tiles_ptr, amax_ptr, total, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
-    channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
-    non-negative floats order like their bits."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
-    if tile * TILE >= seq_len:
-        return
-    amax = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
-        x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
-        amax = tl.maximum(amax, tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0))
-    fold_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _quantize_kernel(
-    x_ptr, offsets_ptr, tiles_ptr,
-    feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
-    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
-    out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
-    rows_ptr,  # fp32 [vectors, H, padded]: per-query vectors in padded slots (the Gluon kernel's)
-    total, padded, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr,
-    Q_FACTOR_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
-    requested outputs.
-
-    FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
-    each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the Gluon kernel reads
-    them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
-    fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
-    ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (the Gluon
-    kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end.
-    P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
-    the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
-    DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
-    wherever Delta goes.
-    """
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
-    if tile * TILE >= seq_len:
-        return
-    channels = tl.arange(0, HEAD_DIM)
-    if SEQUENCE:
-        scales = (h // GROUP * batch + b) * HEAD_DIM + channels
-        sequence_byte = scale_byte_of_amax(tl.load(amax_ptr + scales).to(tl.float32, bitcast=True), False)
-        tl.store(sequence_scale_ptr + scales, scale_value(sequence_byte))
-    for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
-        x, natural, rows, in_seq = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
-        tokens = seq_start + rows
-        padded_rows = rows_ptr + h * padded + padded_seq_start(seq_start, b) + rows  # vector 0 of this head
-        if DELTA:  # first, so that O's tile is dead before the copies are formed
-            o = tl.load(out_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
-            delta = tl.sum(x * o, axis=1)  # zero past the end: x and o load as zeros there
-            if DLSE:
-                delta -= tl.load(dlse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-            tl.store(delta_ptr + h * total + tokens, delta, mask=in_seq)
-            lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-            if P_LSE2_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
-                tl.store(padded_rows + P_LSE2_ROW * HEADS * padded,
-                         tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
-                q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
-                tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
-        if FEATURE:
-            byte = _token_scale_byte(x)
-            data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
-            if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
-                data = data.to(tl.float32) * scale_value(byte)[:, None]
-            tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
-            tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-            if SCALE_ROW >= 0:
-                tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, scale_value(byte), 0.0))
-        if SEQUENCE:  # the whole slot, zeros past the end
-            data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(sequence_byte)[None, :],
-                               INTERPRET)
-            store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, ORDER)
 
 
 # ----------------------------------------------------------------------------- main kernel
@@ -355,7 +203,7 @@ def _dkdv_kernel(
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
-    Layouts as written by :func:`_quantize_kernel`: natural e4m3 ``[total, H, D]`` with fp32
+    Layouts as written by ``bwd_passes``' producers: natural e4m3 ``[total, H, D]`` with fp32
     per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
     ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
@@ -507,108 +355,7 @@ def _dq_kernel(
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
 
 
-# ----------------------------------------------------------------------------- dQ of the Gluon kernel
-
-
-@triton.jit
-def _finish_dq_kernel(
-    dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, tiles_ptr, total, batch, softmax_scale,
-    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
-):
-    """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
-    (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
-    channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
-    tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS_Q)
-    if tile * TILE >= seq_len:
-        return
-    sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
-    kv_head = h // (HEADS_Q // HEADS_KV)
-    channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM)) * softmax_scale
-    token_scale = tl.load(q_scale_ptr + h * total + seq_start + rows, mask=in_seq, other=0.0)
-    dq = sums * channel_scale[None, :] * scale_inverse(token_scale)[:, None]
-    tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=in_seq[:, None])
-
-
 # ----------------------------------------------------------------------------- launchers
-
-
-class _Quantized:
-    """What the producer wrote for one tensor (unrequested fields stay None)."""
-
-    def __init__(self, feature=None, feature_scale=None, sequence=None, sequence_scale=None):
-        self.feature, self.feature_scale = feature, feature_scale
-        self.sequence, self.sequence_scale = sequence, sequence_scale
-
-
-def _quantize(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None, dlse=None,
-              order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
-    """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
-
-    ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
-    dividing each token by its head_dim scale with ``normalize_tokens``); ``order`` (``layout``'s
-    ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
-    ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
-    (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
-    token scales are written as well, for what the kernels fold into dS).
-    With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``; ``dlse`` (fp32
-    ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
-    ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
-    launch waits for the host to learn the longest sequence), made here when not given.
-    ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
-    each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
-    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``: only for e4m3
-    copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
-    token scales from ``rows``: quantize Q first).
-    """
-    total, heads, dim = x.shape
-    batch = offsets.numel() - 1
-    padded = padded_total(total, batch)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    e4m3 = dict(dtype=torch.float8_e4m3fn, device=x.device)
-    result = _Quantized()
-    with_delta = out is not None
-    delta = torch.empty(heads, total, **f32) if with_delta else None
-    lse2 = torch.empty(heads, total, **f32) if with_delta else None
-    if feature:
-        result.feature = torch.empty(x.shape, dtype=feature_dtype, device=x.device)
-        result.feature_scale = torch.empty(heads, total, **f32)
-    if sequence:
-        result.sequence = torch.empty(heads, dim, padded, **e4m3)
-        result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
-    if total == 0:
-        return result, delta, lse2
-    tiles = slot_tiles(offsets, total) if tiles is None else tiles
-    grid = (tiles.shape[0] * heads,)
-    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
-    amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
-    if sequence:
-        _sequence_amax_kernel[grid](x, offsets, tiles, amax, total, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
-                                    num_warps=AMAX_WARPS, **shape)
-    unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (reading
-    # Q's token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's token scales.
-    scale_row = p_lse2_row = q_factor_row = q_delta_row = -1
-    if rows is not None and with_delta:
-        ws = hopper_bwd_ws
-        p_lse2_row, q_factor_row, q_delta_row = (v.value for v in (ws.P_LSE2, ws.Q_FACTOR, ws.Q_DELTA))
-        if feature_dtype != torch.bfloat16:
-            scale_row = ws.DO_FACTOR.value
-    elif rows is not None:
-        scale_row = hopper_bwd_ws.Q_FACTOR.value
-    _quantize_kernel[grid](
-        x, offsets, tiles,
-        result.feature if feature else unused, result.feature_scale if feature else unused,
-        amax if sequence else unused, result.sequence if sequence else unused,
-        result.sequence_scale if sequence else unused,
-        out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
-        delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
-        total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, DLSE=with_delta and dlse is not None, ORDER=order,
-        SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row,
-        INTERPRET=fp8.INTERPRETED,
-        num_warps=QUANTIZE_WARPS, **shape,
-    )
-    return result, delta, lse2
 
 
 # The dQ kernel's own tile shape on the GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
@@ -658,58 +405,10 @@ def _check_inputs(dout, q, k, v, out, lse, dlse):
             raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
 
 
-class _Prepared:
-    """The producers' outputs for one backward call, plus the sizes the launches need."""
-
-    def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
-                 key_order=NATURAL_ORDER, exact_scores=False, row_vectors=False, dlse=None):
-        """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders);
-        ``row_vectors``: also the Gluon kernel's per-query vectors in padded slots (``self.rows``);
-        ``dlse``: the LSE's gradient, taken into Delta (None: none)."""
-        self.query_order, self.key_order = query_order, key_order
-        self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
-        self.batch = offsets_q.numel() - 1
-        self.total_q, self.total_k = q.shape[0], k.shape[0]
-        self.padded_q, self.padded_k = padded_total(self.total_q, self.batch), padded_total(self.total_k, self.batch)
-        self.offsets_q, self.offsets_k = offsets_q, offsets_k
-        self.tiles_q = slot_tiles(offsets_q, self.total_q)
-        same_side = offsets_k is offsets_q and self.total_k == self.total_q
-        self.tiles_k = self.tiles_q if same_side else slot_tiles(offsets_k, self.total_k)
-        dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-        lse = lse.to(torch.float32).contiguous()
-        dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-        group = self.heads_q // self.heads_kv
-        # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
-        # as bf16 holding their MX values, for the Gluon kernel's exact S and dP.
-        score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
-        self.rows = None
-        if row_vectors:
-            self.rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
-                                    device=q.device)
-        self.q, _, _ = _quantize(q, offsets_q, feature=True, sequence=True, normalize_tokens=True, group=group,
-                                 order=query_order, feature_dtype=score_dtype, tiles=self.tiles_q, rows=self.rows)
-        self.k, _, _ = _quantize(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
-                                 order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
-        self.v, _, _ = _quantize(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
-                                 tiles=self.tiles_k)
-        self.do, self.delta, self.lse2 = _quantize(dout, offsets_q, feature=True, sequence=True, group=group, out=out,
-                                                   lse=lse, dlse=dlse, order=query_order, feature_dtype=score_dtype,
-                                                   tiles=self.tiles_q, rows=self.rows)
-
-    @cached_property
-    def max_len_q(self) -> int:
-        """The longest query sequence, for the Triton kernels' grids (waits for the device)."""
-        return max_length(self.offsets_q, self.total_q)
-
-    @cached_property
-    def max_len_k(self) -> int:
-        """The longest key sequence, for the Triton kernels' grids (waits for the device)."""
-        return max_length(self.offsets_k, self.total_k)
-
-    def shape_constants(self, block_m, block_n, causal, precise_scores, num_warps, num_stages):
-        return dict(HEADS_Q=self.heads_q, HEADS_KV=self.heads_kv, HEAD_DIM=self.dim, BLOCK_M=block_m,
-                    BLOCK_N=block_n, CAUSAL=causal, SCORE_ACC_STEP=PRECISE_ACC_STEP if precise_scores else None,
-                    INTERPRET=fp8.INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+def _shape_constants(prep, block_m, block_n, causal, precise_scores, num_warps, num_stages):
+    return dict(HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim, BLOCK_M=block_m,
+                BLOCK_N=block_n, CAUSAL=causal, SCORE_ACC_STEP=PRECISE_ACC_STEP if precise_scores else None,
+                INTERPRET=fp8.INTERPRETED, num_warps=num_warps, num_stages=num_stages)
 
 
 def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_reduce, block_m, block_n, **shape):
@@ -727,7 +426,7 @@ def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_re
         do.feature, do.feature_scale, do.sequence, do.sequence_scale,
         prep.lse2, prep.delta, dq_accum, dq_desc, dk, dv, prep.offsets_q, prep.offsets_k,
         prep.total_q, prep.total_k, prep.padded_q, prep.padded_k, prep.batch, softmax_scale,
-        ACCUMULATE_DQ=accumulate_dq, TMA_REDUCE=tma_reduce, **prep.shape_constants(block_m, block_n, **shape),
+        ACCUMULATE_DQ=accumulate_dq, TMA_REDUCE=tma_reduce, **_shape_constants(prep, block_m, block_n, **shape),
     )
 
 
@@ -738,7 +437,7 @@ def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
         q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
         v.feature, v.feature_scale, do.feature, do.feature_scale, prep.lse2, prep.delta, dq,
         prep.offsets_q, prep.offsets_k, prep.total_q, prep.total_k, prep.padded_k, prep.batch, softmax_scale,
-        **prep.shape_constants(block_m, block_n, **shape),
+        **_shape_constants(prep, block_m, block_n, **shape),
     )
 
 
@@ -756,19 +455,9 @@ def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, determinist
     if deterministic:
         _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, **GPU_DQ_TILES)
     elif prep.total_k > 0:
-        _finish_dq_kernel[(prep.tiles_q.shape[0] * prep.heads_q,)](
-            dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
-            prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
-            TILE=PRODUCER_TILE, num_warps=FINISH_DQ_WARPS)
+        bwd_passes.finish_dq(dq_accum, prep, dq, softmax_scale)
     else:
         dq.zero_()
-
-
-def gluon_preparation(deterministic: bool = False) -> dict:
-    """What ``_Prepared`` makes for the Gluon path: Q^T and dO^T in ``PV_ORDER``, K^T in ``DS_ORDER``
-    (natural order when deterministic: the Triton dQ kernel reads it then, the Gluon kernel not),
-    and the padded per-query vectors."""
-    return dict(query_order=PV_ORDER, key_order=NATURAL_ORDER if deterministic else DS_ORDER, row_vectors=True)
 
 
 def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
@@ -781,11 +470,11 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
         exact_scores = config.pop("exact_scores", True)
         if config:
             raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
-        prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact_scores, dlse=dlse,
-                         **gluon_preparation(deterministic))
+        prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact_scores,
+                                   dlse=dlse, **bwd_passes.gluon_preparation(deterministic))
         _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
         return
-    prep = _Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse)
+    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse)
     tma_reduce = config.pop("tma_reduce")  # how dK/dV's kernel adds dQ; the deterministic dQ kernel adds none
     launch = dict(softmax_scale=softmax_scale, causal=causal, **config)
     if prep.total_k > 0:

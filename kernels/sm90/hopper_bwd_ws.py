@@ -581,11 +581,12 @@ def _attention_backward_kernel(
 
 def _padded_row_vectors(prep) -> TensorDescriptor:
     """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``DO_FACTOR``, ``Q_DELTA``) as the producers wrote
-    them (``_Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
+    them (``bwd_passes.Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
     sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read ``BLOCK_M`` at a
     time (TMA needs a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
     if prep.rows is None:
-        raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: _Prepared(row_vectors=True)")
+        raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: "
+                         "bwd_passes.Prepared(row_vectors=True)")
     flat = prep.rows.view(-1)
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value],
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
