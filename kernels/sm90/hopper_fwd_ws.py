@@ -70,6 +70,32 @@ class KVStages:
         self.k, self.v, self.k_ready, self.v_ready, self.empty = k, v, k_ready, v_ready, empty
 
 
+@aggregate
+class QueryTile:
+    """A program's work for its consumers: the query rows from ``rows0`` (``CONSUMERS *
+    CONSUMER_ROWS`` of them) of sequence ``seq``, query head ``head`` (KV head ``kv_head``); the
+    sequence's first query row and lengths; Q's column in its descriptor; where the sequence's Q
+    token factors and K tile factors start; the KV tiles to stream."""
+    seq: gl.tensor
+    head: gl.tensor
+    kv_head: gl.tensor
+    rows0: gl.tensor
+    q_start: gl.tensor
+    len_q: gl.tensor
+    len_k: gl.tensor
+    q_col: gl.tensor
+    q_factor_row: gl.tensor
+    k_factor_row: gl.tensor
+    n_tiles: gl.tensor
+
+    @constexpr_function
+    def __init__(self, seq, head, kv_head, rows0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row,
+                 n_tiles):
+        self.seq, self.head, self.kv_head, self.rows0 = seq, head, kv_head, rows0
+        self.q_start, self.len_q, self.len_k, self.q_col = q_start, len_q, len_k, q_col
+        self.q_factor_row, self.k_factor_row, self.n_tiles = q_factor_row, k_factor_row, n_tiles
+
+
 @gluon.jit
 def _tile_span(offsets_q, offsets_k, total_q, total_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(sequence, first row of the program's tile, q start, len_q, k start, len_k, KV tiles to stream)."""
@@ -140,14 +166,16 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, seq, head, kv_head, rows0,
-             q_start, len_q, len_k, q_col, q_factor_row, k_factor_row, n_tiles, scale_log2, batch,
+def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, tile, scale_log2, batch,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr, ROW_TREE: gl.constexpr):
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
     here: the softmax's own latency, not the MMA waits, sets the pace (docs/perf-history.md v21)."""
+    seq, head, kv_head, rows0 = tile.seq, tile.head, tile.kv_head, tile.rows0
+    q_start, len_q, len_k, q_col = tile.q_start, tile.len_q, tile.len_k, tile.q_col
+    q_factor_row, k_factor_row, n_tiles = tile.q_factor_row, tile.k_factor_row, tile.n_tiles
     ROWS: gl.constexpr = CONSUMER_ROWS
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_N, 16 if EXACT else 8)  # bf16 or e4m3 operands
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
@@ -262,17 +290,15 @@ def _attention_forward_kernel(
     fence_async_shared()
 
     EXACT: gl.constexpr = SCORES == "bf16"
-    q_col = head * D
     vt_col = layout.padded_seq_start(k_start, seq).to(gl.int32)
     kv = KVStages(k_smem, v_smem, k_ready, v_ready, kv_empty)
+    tile = QueryTile(seq, head, kv_head, row0, q_start, len_q, len_k, head * D, q_factor_row, k_factor_row, n_tiles)
     gl.warp_specialize(
         [
             (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), kv,
-                        seq, head, kv_head, row0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row, n_tiles,
-                        scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+                        tile, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
             (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), kv,
-                        seq, head, kv_head, row0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row, n_tiles,
-                        scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+                        tile, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
             (_load_kv, (k_desc, vt_desc, kv, k_start.to(gl.int32), kv_head * D, kv_head * D, vt_col, n_tiles,
                         BLOCK_N, STAGES)),
         ],
