@@ -24,7 +24,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
 from jagged_attn.mxfp8 import checked_after
