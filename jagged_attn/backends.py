@@ -33,7 +33,6 @@ DeprecationWarning (``DEPRECATED_NAMES``).
 from __future__ import annotations
 
 import functools
-import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -41,6 +40,7 @@ from typing import Callable
 import torch
 
 from .devices import on_device_of
+from .kernels.sm90 import hopper_bwd, hopper_fwd
 from .kernels.sm100 import exact as block_scaled_kernels
 from .mx_format import saturating_cast
 from .mxfp8 import checked_after, largest_magnitudes
@@ -112,13 +112,10 @@ def _block_scaled_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal
             dtypes=(q.dtype, k.dtype, v.dtype))
 
 
-def _kernel_backend(name: str, forward_module: str, backward_module: str, options: dict,
-                    backward: Callable | None = None) -> Backend:
-    """A backend whose kernels live in ``jagged_attn.kernels`` (imported on first use); every entry
+def _kernel_backend(name: str, fwd, bwd, options: dict, backward: Callable | None = None) -> Backend:
+    """A backend whose kernels are the modules ``fwd`` and ``bwd`` of ``jagged_attn.kernels``; every entry
     point gets ``options`` as keywords. ``backward`` replaces the backward module's own
     ``attention_backward`` where the front end rounds the operands."""
-    fwd = importlib.import_module(f"jagged_attn.kernels.{forward_module}")
-    bwd = importlib.import_module(f"jagged_attn.kernels.{backward_module}")
 
     def forward_mx(q, k, v, causal, softmax_scale, out_dtype):
         with on_device_of(q.data):
@@ -146,9 +143,9 @@ def _kernel_backend(name: str, forward_module: str, backward_module: str, option
 
 _REFERENCE = Backend("reference", _reference_forward_mx, _reference_forward_hp, _reference_backward, None)
 _KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both[, the front end's backward])
-    "hopper": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "fp8"}),
-    "hopper-exact-scores": ("sm90.hopper_fwd", "sm90.hopper_bwd", {"scores": "bf16"}),
-    "block-scaled": ("sm100.exact", "sm100.exact", {}, _block_scaled_backward),
+    "hopper": (hopper_fwd, hopper_bwd, {"scores": "fp8"}),
+    "hopper-exact-scores": (hopper_fwd, hopper_bwd, {"scores": "bf16"}),
+    "block-scaled": (block_scaled_kernels, block_scaled_kernels, {}, _block_scaled_backward),
 }
 HOPPER_BACKENDS = ("hopper", "hopper-exact-scores")
 
