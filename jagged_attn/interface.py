@@ -43,9 +43,9 @@ def _under_autocast(device: torch.device) -> bool:
 def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: torch.device,
                        names=("offsets_q", "offsets_k")) -> None:
     """Both offsets valid for their rows, on ``device`` and of one batch size (``ValueError`` naming
-    them otherwise). Offsets not yet known valid are read before anything else runs (kernels given bad
-    offsets could read and write out of bounds), both in one wait for the device (nine waits made one
-    took an H200's training step from 30.98 to 28.76 ms, docs/perf-history.md v15)."""
+    them otherwise). Offsets not yet known valid are read before anything else runs, both in one wait for
+    the device: each wait leaves the GPU idle while the host launches what follows, and nine of them
+    cost a training step measurably (docs/perf-history.md v15)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:
         check_offsets_type(offsets, name)
@@ -117,8 +117,8 @@ def jagged_attention(
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``, differentiable like
             ``out`` (for :func:`jagged_attn.merge_attention`, ring / context-parallel attention).
         deterministic: bit-identical gradients run to run (the Hopper backward then forms dQ
-            in a kernel of its own instead of adding partials in L2: 1.4-1.7x the backward's
-            time on an H200, dense d128).
+            in a kernel of its own instead of adding partials in L2, which recomputes S and dP:
+            a slower backward, docs/perf-history.md).
         v_scaling: ``"sequence"`` (MX blocks of 32 tokens, the GEMM's reduction axis) or
             ``"token"`` (blocks along head_dim, one scale per token and 32 channels). With
             ``"sequence"`` a later token can change how an earlier token's V is rounded; causal

@@ -285,9 +285,8 @@ CONFIGS = {
         TileConfig("c32-4w-v8", 32, 4, 8),
     )
 }
-# The configuration quantize_into uses for each set of axes (sorted as in AXES): the fastest of
-# scripts/bench_quantize.py on an H200 (2 GiB bf16, 2026-11-30 00:2x UTC; docs/perf-history.md): feature
-# c64-4w-v16 98% of the device-copy bandwidth, sequence c64-4w-v8 90%, both c64-4w-v8 88%.
+# The configuration quantize_into uses for each set of axes (sorted as in AXES): the fastest measured by
+# scripts/bench_quantize.py (docs/perf-history.md).
 DEFAULT_CONFIGS = {
     ("feature",): CONFIGS["c64-4w-v16"],
     ("sequence",): CONFIGS["c64-4w-v8"],

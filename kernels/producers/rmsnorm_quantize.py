@@ -57,9 +57,7 @@ CONFIGS = {
         TileConfig("all-4w-v8-r168", None, 4, 8, max_registers=168),
     )
 }
-# Measured on an H200 (1 GiB bf16, 2026-11-30 01:30 UTC, docs/perf-history.md), the fastest for every set
-# of axes: 86% (feature), 85% (sequence), 86% (both) of the device-copy bandwidth; "all-4w-v8"
-# 78 / 82 / 79%.
+# The fastest measured for every set of axes (scripts/bench_rmsnorm_quantize.py; docs/perf-history.md).
 DEFAULT_CONFIG = CONFIGS["all-8w-v8-r128"]
 
 

@@ -37,12 +37,11 @@ from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 from . import hopper_bwd_ws
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
-# Warps of the producer's two passes (H200, dense 8 x 8192 x 16 d128 dO: 0.53 -> 0.43 ms with four each
-# against eight, docs/perf-history.md v9; the amax pass then 0.101 -> 0.080 ms with two, ads K 0.465 -> 0.351, v16),
-# and of the dQ finish pass. Both passes take their 128-token slot in chunks of PRODUCER_CHUNK tokens (a
-# power of two from 16: the token orders' groups): 64 measured 0.436 -> 0.413 ms against whole slots; 32
-# and 16, though lighter on registers, 0.488 and 0.858 (docs/perf-history.md v14). Re-swept with the heads of a
-# slot fastest (v17): the same choices.
+# Warps of the producer's two passes and of the dQ finish pass, the fastest measured (four each against
+# eight, then two for the amax pass: docs/perf-history.md v9, v16). Both passes take their 128-token slot in
+# chunks of PRODUCER_CHUNK tokens (a power of two from 16: the token orders' groups): 64 was faster than
+# whole slots, and 32 and 16, though lighter on registers, slower (v14); re-swept with the heads of a slot
+# fastest, the same choices (v17).
 AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
 PRODUCER_CHUNK = 64

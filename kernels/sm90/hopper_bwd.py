@@ -66,8 +66,8 @@ from ..common.layout import (
 )
 
 # With ``precise_scores``, S and dP (FP8 wgmma, whose fast accumulation keeps fewer bits than
-# fp32) are promoted to fp32 after every 32-wide k step. On an H200 this halved the distance to
-# the reference on peaked inputs and was not slower (docs/perf-history.md), so it is the GPU default.
+# fp32) are promoted to fp32 after every 32-wide k step: measured closer to the reference on peaked
+# inputs and not slower (docs/perf-history.md), so it is the GPU default.
 PRECISE_ACC_STEP = 32
 HEAD_DIMS = (64, 128)
 
@@ -362,8 +362,8 @@ def _dq_kernel(
 GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
-# The Triton dK/dV kernel's GPU-tuned tiles (kernel="triton" on a GPU: 1.6x slower than the Gluon
-# kernel on an H200, and its FP8 S misses the accuracy bar on outlier channels, docs/perf-history.md).
+# The Triton dK/dV kernel's GPU-tuned tiles (kernel="triton" on a GPU: slower than the Gluon kernel,
+# and its FP8 S misses the accuracy bar on outlier channels, docs/perf-history.md).
 GPU_TRITON_CONFIG = dict(kernel="triton", block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8,
                          num_stages=3)
 KERNELS = ("triton", "gluon")
@@ -504,18 +504,16 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
 
     On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
     S and dP come from bf16 MMAs on the MX values of Q, K, V and dO (exact), with "fp8" from FP8
-    wgmma (~13-bit accumulation). On an H200 (dense 8 x 8192 x 16, d128, producers included): 19.7 /
-    18.6 ms, cuDNN BF16 20.4 ms (bench of 2026-12-01 02:01, docs/perf-history.md v20); gradients within 5e-3
-    of the reference backend on all four input kinds of the tests with "bf16", 1.5e-2 to 2e-1 on
-    heavy-tailed and outlier inputs with "fp8" (docs/perf-history.md, v6-v13). ``kernel="triton"`` runs the
-    Triton kernel there instead (45.9 ms); the CPU interpreter runs it.
+    wgmma (~13-bit accumulation): gradients within 5e-3 of the reference backend on all four input
+    kinds of the tests with "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8"
+    (docs/perf-history.md, v6-v13; speed: docs/PERF.md). ``kernel="triton"`` runs the slower Triton
+    kernel there instead; the CPU interpreter runs it.
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
     reduce-adds on the GPU, atomics in the interpreter; the order varies run to run).
     ``deterministic=True`` computes dQ in a separate Triton kernel per query tile that loops over
     its key tiles in order (S and dP from the same copies, so exact with ``scores="bf16"``):
-    bit-identical results, at the price of recomputing S and dP there: 40.9 ms on the same H200
-    workload (docs/perf-history.md, v8).
+    bit-identical results, at the price of recomputing S and dP there (docs/perf-history.md, v8).
     """
     _check_inputs(dout, q, k, v, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

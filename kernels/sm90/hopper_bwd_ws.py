@@ -35,13 +35,13 @@ scales on the sequence axis (applied in the epilogues), Q and K's sequence copie
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
-Measured on an H200 (docs/perf-history.md, v8-v13): exact S and dP 1.01x cuDNN's BF16 backward (dense d128,
-2026-11-30 14:45; causal 0.94x), gradients within 5e-3 of the reference backend on every input kind
-of the tests (1.2e-2 with FP8 dP), cosine against fp64 within 1e-4 of the reference's; FP8 S and dP
-(backend ``hopper``) 1.09x, 1.5e-2 to 2e-1 from the reference on heavy-tailed and outlier
-inputs. The consumers are at their register ceiling and sensitive to every instruction; with them
-sped up (v13) the dQ warpgroup bounds the kernel: its loads and dQ steps (publishing, wgmmas,
-staging, reduce-adds) add ~5 ms to the consumers' ~13.7 (docs/perf-history.md v11-v13).
+Exact S and dP keep the gradients within 5e-3 of the reference backend on every input kind of the
+tests, cosine against fp64 within 1e-4 of the reference's; FP8 S and dP (backend ``hopper``, faster)
+1.5e-2 to 2e-1 from it on heavy-tailed and outlier inputs (docs/perf-history.md v8-v13). The
+consumers are at their register ceiling and sensitive to every instruction, and the dQ warpgroup's
+steps (publishing, wgmmas, staging, reduce-adds) bound the kernel; dQ formed in the consumers instead,
+each over its own keys, was measured slower still: their chains are latency-bound, and dQ's round trips
+then lengthen each of them (docs/perf-history.md v11-v13, v26; speed: docs/PERF.md).
 """
 
 from triton._C.libtriton import ir
@@ -475,8 +475,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
         # step's wgmmas): bf16 copies (the exact path) and 16-bit gradients; not the FP8 path's e4m3
         # buffers, nor fp32 gradients. Through them, then stored from a layout in which each warp writes
         # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
-        # instruction) these stores took 1.25 of the ads batch's 5.25 ms (docs/perf-history.md v18); staged,
-        # that kernel takes 4.43 (v19).
+        # instruction) these stores took a fifth of the kernel on short-query batches (docs/perf-history.md
+        # v18, v19).
         rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
         dk_out = layout.gluon_restage(dk_out, k_smem, rows_layout)
         dv_out = layout.gluon_restage(dv_out, v_smem, rows_layout)

@@ -48,7 +48,7 @@ FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_o
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
-    """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/perf-history.md): one
+    """Block sizes, warps and pipeline depth (the best of a sweep, docs/perf-history.md): one
     warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
 
     SCORES picks how S = Q K^T is computed: "fp8" is FP8 wgmma with its fast accumulation over all

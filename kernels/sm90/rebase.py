@@ -24,7 +24,7 @@ non-reduced index, in one pass over the data (two for the sequence axis):
   and the int32 exponent bytes ``[H, B, D]``. Two passes over the tiles in parallel: the first
   folds each tile's channel maxima into the exponents (atomic max), the second rebases and stores
   each tile transposed from registers. (One read would need per-(KV tile, channel) factors in the
-  forward's P·V, measured 0.71-0.77x its speed on an H200: docs/perf-history.md.)
+  forward's P·V, measured much slower: docs/perf-history.md.)
 
 Each rebasing takes either an ``MXFP8Jagged`` (quantized offline: its bytes are read from the
 tiled scale buffer) or high-precision values, quantized here with the same numbers as
@@ -51,24 +51,16 @@ from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 TOKENS_PER_PROGRAM = SLOT_TOKENS
 # Launch choices: warps of a feature-axis program (one (128-token tile, head)); channels and warps
 # of a sequence-axis program (each pass: one (128-token tile, head, chunk of channels)), by input:
-# high-precision values (quantized in the pass) or MXFP8 (its bytes read). Measured on an H200
-# (docs/perf-history.md, 2026-11-30 07:00-07:11 UTC, scripts/bench_rebase.py and bench.py): from bf16, V's two
-# passes took 329-391 us with 32 channels on 1 warp against 470-578 us with 128 on 4 (bf16 [65536,
-# 16, 128], four batch kinds; 8 or 16 warps slower still); from MXFP8, 32 on 1 made the ads batch's
-# K/V rebasing slower (1.19 ms against 0.90 before this change), so MXFP8 keeps 128 on 4.
-# The two passes timed apart (bf16 [262144, 16, 128], 11:33 UTC): the exponent pass 310-399 us with
-# 64 channels on 4 warps against 442-449 with 32 on 1, the rebase pass 693-708 us with 32 on 1 against
-# 757-872 with 32 on 2 or 64 on 4; so each pass of bf16 values has its own launch. Programs run
-# heads and channel chunks fastest (``layout.slot_program``): against work slots fastest, V from bf16
-# 0.90-0.98 -> 0.80-0.87 ms, K's FP8 feature rebase 0.46 -> 0.40 ms, bytes identical (bf16 [262144, 16,
-# 128], 2026-11-30 20:14 UTC); the configs re-swept in that order (20:18): the same best but the
-# exponent pass's, 64 channels on 2 warps (2-3% less than on 4).
+# high-precision values (quantized in the pass) or MXFP8 (its bytes read), each the fastest measured
+# (scripts/bench_rebase.py and bench.py; docs/perf-history.md): from bf16, V's passes are fastest with few
+# channels on one warp, which made MXFP8's slower, so MXFP8 keeps 128 channels on 4 warps; the exponent
+# pass and the rebase pass of bf16 values want different shapes, so each has its own launch. Programs run
+# heads and channel chunks fastest (``layout.slot_program``), measured faster than work slots fastest
+# (the configs re-swept in that order).
 FEATURE_CONFIG = dict(num_warps=4)
 # Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
-# whole slots. H200, bf16 [262144, 16, 128], against whole slots (2026-11-30 16:18, 16:27): exact values
-# 622-662 -> 550 us with one factor per token, 551-579 -> 544-546 with one per 128 tokens; from MXFP8
-# chunks were 1% slower (docs/perf-history.md v14).
+# whole slots: chunks were faster from bf16 and 1% slower from MXFP8 (docs/perf-history.md v14).
 FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=2), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
