@@ -225,7 +225,9 @@ def compile_per_tile_kernel(module: str, kernel: str, leading: dict, config=qk.C
     }
     signature = {
         **leading,
-        "slot_table": "*i64",
+        "tiles": "*i32",
+        "offsets": "*i64",
+        "total": "i32",
         "feature_data": "*fp8e4nv",
         "feature_scales": "*u8",
         "sequence_data": "*fp8e4nv",

@@ -24,14 +24,15 @@ import triton.language as tl
 
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import AXES, check_values, scale_matrix_shape
-from jagged_attn.offsets import padded_total, validate_offsets
+from jagged_attn.offsets import validate_offsets
 from jagged_attn.scale_layout import TILE_ROWS, tiled_bytes
 
 from ..common import fp8, layout
 from ..common.interpreter import INTERPRETED
-from ..common.schedule import SLOTS_PER_PROGRAM
+from ..common.schedule import claimed_tile, slot_tiles
 
 TILE_TOKENS = TILE_ROWS  # tokens per program: one scale row tile (feature) / column tile (sequence)
+_SLOT_TOKENS = tl.constexpr(TILE_TOKENS)  # a global read inside a kernel must be a constexpr instance
 WIDEST_VECTOR = tl.constexpr(16)  # channels per thread Triton gives a tile unless told less: a 128-bit e4m3 store
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -71,21 +72,6 @@ def block_scale_bytes(blocks, AXES: tl.constexpr, FLOOR: tl.constexpr, INTERPRET
     return layout.scale_byte_of_amax(amax, FLOOR), amax
 
 
-@triton.jit
-def _slot_table_kernel(offsets, table, total, slots, batch, search_steps, SLOTS_PER_PROGRAM: tl.constexpr):
-    """table[slot] = (first token row, tokens) of each slot (tokens 0 past its sequence's end). Every slot
-    is written by its own lane, from ``layout.sequence_span``: rows inside ``[0, total]`` whatever the
-    offsets hold."""
-    slot = tl.program_id(0) * SLOTS_PER_PROGRAM + tl.arange(0, SLOTS_PER_PROGRAM)
-    seq = layout.owning_sequence(slot, offsets, batch, search_steps, 128, True)
-    start, length = layout.sequence_span(offsets, seq, total)
-    tile = slot - layout.padded_tile(start, seq, 128)  # (negative only where the offsets are not valid)
-    first_row = start + tl.maximum(tile, 0) * 128
-    tokens = tl.where(tile >= 0, tl.minimum(tl.maximum(start + length - first_row, 0), 128), 0)
-    tl.store(table + 2 * slot, first_row, mask=slot < slots)
-    tl.store(table + 2 * slot + 1, tokens, mask=slot < slots)
-
-
 @triton.constexpr_function
 def channel_chunks(dim, block_d):
     """Programs per (slot, head) of ``values [total, H, dim]``: ``block_d``-channel chunks that cover
@@ -100,9 +86,10 @@ def program_chunk(D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def program_tile(slot_table, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 VECTOR: tl.constexpr):
-    """Where this program's tile of ``values [total, HEADS, D]`` lies: (slot, head, token [128]: the
+def program_tile(tiles, offsets, total, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, VECTOR: tl.constexpr):
+    """Where this program's tile of ``values [total, HEADS, D]`` lies, from its slot of the
+    ``schedule.slot_tiles`` table ``tiles`` of ``offsets``: (slot, head, token [128]: the
     token each tile row holds, counted from the slot's first; row [128]: its row in ``values``;
     in_slot [128]: rows that hold a token; channels [BLOCK_D]: the program's chunk of channels;
     element [128, BLOCK_D]: offsets in ``values``; inside [128, BLOCK_D]: elements in bounds).
@@ -111,11 +98,11 @@ def program_tile(slot_table, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.c
     channels each thread loads and stores at once (offsets are declared contiguous in runs of it).
     """
     CHUNKS: tl.constexpr = channel_chunks(D, BLOCK_D)
-    pid = tl.program_id(0)
-    slot = (pid // (HEADS * CHUNKS)).to(tl.int64)
-    head = pid // CHUNKS % HEADS
-    first_row = tl.load(slot_table + 2 * slot)
-    tokens = tl.load(slot_table + 2 * slot + 1)
+    seq, tile, start, length, _, lane = claimed_tile(tiles, offsets, total, _SLOT_TOKENS, HEADS * CHUNKS)
+    slot = (tl.program_id(0) // (HEADS * CHUNKS)).to(tl.int64)
+    head = lane // CHUNKS
+    first_row = start + tl.maximum(tile, 0) * _SLOT_TOKENS
+    tokens = tl.where(seq >= 0, tl.minimum(tl.maximum(start + length - first_row, 0), _SLOT_TOKENS), 0)
 
     # Triton spreads the rows of a tile over (fastest first) the lanes of a warp, the warps, then
     # each thread's registers. Row i holds token 32 (i // S % 4) + (i % S) (32 // S) + i // (4 S),
@@ -197,7 +184,9 @@ def store_mxfp8(
 @triton.jit
 def _quantize_kernel(
     values,
-    slot_table,
+    tiles,
+    offsets,
+    total,
     feature_data,
     feature_scales,
     sequence_data,
@@ -217,24 +206,14 @@ def _quantize_kernel(
     CHECK_FINITE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    slot, head, token, _, _, channels, element, inside = program_tile(slot_table, HEADS, D, BLOCK_D, BLOCK_ROWS, VECTOR)
+    slot, head, token, _, _, channels, element, inside = program_tile(tiles, offsets, total, HEADS, D, BLOCK_D,
+                                                                                BLOCK_ROWS, VECTOR)
     x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
     store_mxfp8(
         x, slot, head, token, channels, element, inside,
         feature_data, feature_scales, sequence_data, sequence_scales, nonfinite, scale_bytes_per_head, n_slots,
         BLOCK_D, BLOCK_ROWS, CHANNEL_TILES, FEATURE, SEQUENCE, FLOOR, CHECK_FINITE, INTERPRET,
     )
-
-
-def slot_table(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """int64 ``[padded_total / 128, 2]``: (first token row, token count) of every 128-token slot."""
-    batch = offsets.numel() - 1
-    slots = padded_total(total, batch) // TILE_TOKENS
-    table = torch.empty(slots, 2, dtype=torch.int64, device=offsets.device)
-    if slots:
-        _slot_table_kernel[(triton.cdiv(slots, SLOTS_PER_PROGRAM),)](
-            offsets, table, total, slots, batch, batch.bit_length(), SLOTS_PER_PROGRAM=SLOTS_PER_PROGRAM)
-    return table
 
 
 def empty_outputs(values: torch.Tensor, offsets: torch.Tensor, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,12 +290,13 @@ def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: s
     """Launch a kernel built on :func:`program_tile` and :func:`store_mxfp8`, one program per
     (128-token slot, head, chunk of ``config.channels``) of ``values [total, H, D]``.
 
-    The kernel takes ``*leading``, then the slot table and the arguments of :func:`store_mxfp8`
+    The kernel takes ``*leading``, then the slot table, offsets and rows of :func:`program_tile` and the
+    arguments of :func:`store_mxfp8`
     (``outputs``: axis -> (data, scales) from :func:`empty_outputs`), then ``HEADS``, ``D``,
     ``BLOCK_D``, ``BLOCK_ROWS``, ``VECTOR``; ``options``: further constexprs or launch options.
     """
     total, heads, dim = values.shape
-    table = slot_table(offsets, total)
+    table = slot_tiles(offsets, total)
     feature = outputs.get("feature", (None, None))
     sequence = outputs.get("sequence", (None, None))
     scale_bytes_per_head = next(iter(outputs.values()))[1].shape[1]  # the same for both axes
@@ -326,6 +306,8 @@ def launch_per_tile(kernel, leading, values, offsets, outputs: dict, rounding: s
     kernel[(table.shape[0] * heads * channel_chunks(dim, block_d),)](
         *leading,
         table,
+        offsets,
+        total,
         *feature,
         *sequence,
         nonfinite,

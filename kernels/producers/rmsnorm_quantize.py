@@ -68,7 +68,9 @@ def _rms_norm_quantize_kernel(
     normalized,
     rstd,
     eps,
-    slot_table,
+    tiles,
+    offsets,
+    total,
     feature_data,
     feature_scales,
     sequence_data,
@@ -90,7 +92,7 @@ def _rms_norm_quantize_kernel(
     STORE_NORMALIZED: tl.constexpr,
 ):
     slot, head, token, row, in_slot, channels, element, inside = program_tile(
-        slot_table, HEADS, D, BLOCK_D, BLOCK_ROWS, VECTOR
+        tiles, offsets, total, HEADS, D, BLOCK_D, BLOCK_ROWS, VECTOR
     )
     x = tl.load(values + element, mask=inside, other=0.0).to(tl.float32)
     w = tl.load(weight + channels, mask=channels < D, other=0.0).to(tl.float32)
