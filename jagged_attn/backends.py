@@ -24,7 +24,10 @@ hardware path they run:
   every input kind (docs/perf-history.md), at ~0.9x the forward's and 0.8-0.9x the backward's speed
   at head_dim 128;
 * ``block-scaled``: the spec-exact ``tl.dot_scaled`` kernels (native block-scaled MMA on sm_100+,
-  emulated by Triton on sm_90).
+  emulated by Triton on sm_90);
+* ``portable``: the same algorithm and operands as ``hopper`` in plain Triton, one program per tile
+  (``kernels/portable``): what ``auto`` picks on sm_89 (e4m3 ``mma.sync``) and what the CPU
+  interpreter runs (CI); it runs on Hopper too, slower.
 
 The names of the previous release (``triton``, ``triton-fast``, ``exact``) still resolve, with a
 DeprecationWarning (``DEPRECATED_NAMES``).
@@ -40,14 +43,15 @@ from typing import Callable
 import torch
 
 from .devices import on_device_of
-from .kernels.sm90 import hopper_bwd, hopper_fwd
+from .kernels.portable import backward as portable_bwd, forward as portable_fwd
+from .kernels.sm90 import backward as hopper_bwd, forward as hopper_fwd
 from .kernels.sm100 import exact as block_scaled_kernels
 from .mx_format import saturating_cast
 from .mxfp8 import checked_after, largest_magnitudes
 from .quantize import quantize_mxfp8, quantize_mxfp8_dual
 from .reference import reference_backward, reference_forward, softmax_delta
 
-BACKENDS = ("auto", "reference", "hopper", "hopper-exact-scores", "block-scaled")
+BACKENDS = ("auto", "reference", "hopper", "hopper-exact-scores", "block-scaled", "portable")
 # The previous release's names: resolved with a DeprecationWarning until the next release drops them.
 DEPRECATED_NAMES = {"triton": "hopper-exact-scores", "triton-fast": "hopper", "exact": "block-scaled"}
 
@@ -146,8 +150,11 @@ _KERNEL_BACKENDS = {  # name: (forward module, backward module, options of both[
     "hopper": (hopper_fwd, hopper_bwd, {"scores": "fp8"}),
     "hopper-exact-scores": (hopper_fwd, hopper_bwd, {"scores": "bf16"}),
     "block-scaled": (block_scaled_kernels, block_scaled_kernels, {}, _block_scaled_backward),
+    "portable": (portable_fwd, portable_bwd, {}),
 }
 HOPPER_BACKENDS = ("hopper", "hopper-exact-scores")
+INTERPRETED_BACKENDS = ("portable", "block-scaled")  # plain Triton: the CPU interpreter runs them
+PORTABLE_CAPABILITY = (8, 9)  # the oldest GPU with e4m3 MMAs, which the portable kernels need
 
 
 def _interpreting() -> bool:
@@ -161,14 +168,21 @@ def check_kernel_device(name: str, device: torch.device) -> None:
     if name == "reference":
         return
     if device.type == "cuda":
-        major = torch.cuda.get_device_capability(device)[0]
-        if name in HOPPER_BACKENDS and major != 9:
-            raise ValueError(f"backend={name!r} is a Hopper (sm_90) path; this GPU is sm_{major}0: use 'block-scaled'")
-        if name == "block-scaled" and major < 9:
-            raise ValueError(f"backend='block-scaled' needs sm_90 or newer; this GPU is sm_{major}0")
+        capability = torch.cuda.get_device_capability(device)
+        sm = f"sm_{capability[0]}{capability[1]}"
+        if name in HOPPER_BACKENDS and capability[0] != 9:
+            raise ValueError(f"backend={name!r} is a Hopper (sm_90) path; this GPU is {sm}: use 'auto'")
+        if name == "block-scaled" and capability[0] < 9:
+            raise ValueError(f"backend='block-scaled' needs sm_90 or newer; this GPU is {sm}")
+        if name == "portable" and capability < PORTABLE_CAPABILITY:
+            raise ValueError(f"backend='portable' needs e4m3 MMAs (sm_89 or newer); this GPU is {sm}: "
+                             "use 'reference'")
         return
-    if device.type == "cpu" and _interpreting():
+    if device.type == "cpu" and _interpreting() and name in INTERPRETED_BACKENDS:
         return  # the Triton CPU interpreter (tests)
+    if device.type == "cpu" and _interpreting():
+        raise ValueError(f"backend={name!r} runs Gluon kernels, which the Triton CPU interpreter cannot run: "
+                         f"use one of {INTERPRETED_BACKENDS} there")
     raise ValueError(f"backend={name!r} needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU); use backend='reference'")
 
 
@@ -182,26 +196,28 @@ def check_head_dim(name: str, head_dim: int) -> None:
 # Run, not traced, under torch.compile: the warning is a side effect dynamo cannot trace.
 @torch.compiler.assume_constant_result
 def auto_backend_name(device: torch.device) -> str:
-    """``hopper`` on Hopper, ``block-scaled`` on Blackwell and newer, ``reference`` elsewhere: quietly on
-    CPU, on other CUDA GPUs with a UserWarning (once per process for each sm).
+    """``hopper`` on Hopper, ``block-scaled`` on Blackwell and newer, ``portable`` on sm_89, ``reference``
+    elsewhere: quietly on CPU, on older CUDA GPUs with a UserWarning (once per process for each sm).
 
     On Hopper, S and dP from FP8 wgmma are as close to exact attention (fp64, unquantized inputs) as
     the reference backend is, on every input kind of the accuracy tests; exact S buys no accuracy there."""
     if device.type != "cuda":
         return "reference"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 9:
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] == 9:
         return "hopper"
-    if major >= 10:
+    if capability[0] >= 10:
         return "block-scaled"
-    _warn_reference_on_gpu(f"sm_{major}{minor}")
+    if capability >= PORTABLE_CAPABILITY:
+        return "portable"
+    _warn_reference_on_gpu(f"sm_{capability[0]}{capability[1]}")
     return "reference"
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_reference_on_gpu(sm: str) -> None:
     warnings.warn(f"backend='auto' runs the reference backend (MXFP8 attention in plain PyTorch, far slower than "
-                  f"the kernels) on this {sm} GPU: the kernel backends need Hopper (sm_90) or Blackwell (sm_100+). "
+                  f"the kernels) on this {sm} GPU: the kernel backends need e4m3 MMAs (sm_89 or newer). "
                   "Pass backend='reference' to choose it without this warning.", UserWarning, stacklevel=4)
 
 

@@ -1,6 +1,7 @@
 """GPU kernels (Triton and Gluon), imported as ``jagged_attn.kernels``, by architecture and role:
-``sm90`` (Hopper attention), ``sm100`` (block-scaled attention), ``producers`` (the MXFP8 operands'
-kernels), ``common`` (what they share).
+``sm90`` (Hopper attention, Gluon), ``sm100`` (block-scaled attention), ``portable`` (attention in plain
+Triton: the CPU interpreter and other GPUs), ``producers`` (the operands' kernels), ``common`` (what they
+share).
 
 Importing the package mends Triton's CPU interpreter (``common.interpreter``) before any kernel runs in it.
 """

@@ -270,9 +270,10 @@ def quantized_inputs(w: Workload):
 
 def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
     """(the Gluon forward kernel as a call on Q, K, V rebased beforehand, the Q rebase, the K and V
-    rebase) for ``hopper_fwd_ws.tile_config``-style ``config``; the call returns (out, lse)."""
+    rebase) for ``sm90.forward.tile_config``-style ``config``; the call returns (out, lse)."""
     from jagged_attn.kernels.common import layout
-    from jagged_attn.kernels.sm90 import hopper_fwd_ws, rebase
+    from jagged_attn.kernels.producers import rebase
+    from jagged_attn.kernels.sm90 import forward as sm90_forward
 
     exact = config["SCORES"] == "bf16"
     rebase_q = functools.partial(rebase.rebase_feature, mq, group=1, exact=exact)
@@ -280,35 +281,37 @@ def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
     rebased = (*rebase_q(), *rebase_kv())
 
     def kernel():
-        return hopper_fwd_ws._forward(*rebased, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                                      out_dtype=torch.bfloat16, config=config)
+        return sm90_forward._forward(*rebased, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
+                                     out_dtype=torch.bfloat16, config=config)
 
     return kernel, rebase_q, rebase_kv
 
 
 def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
-    """Forward ms from MXFP8 inputs quantized once beforehand (``hopper_fwd.attention_forward``; "ours
+    """Forward ms from MXFP8 inputs quantized once beforehand (``sm90.forward.attention_forward``; "ours
     mxfp8": exact S as backend ``hopper-exact-scores``, "fast mxfp8": FP8 S as ``hopper``). With ``kernel`` also
     the Gluon kernel alone ("ours kernel", "fast kernel") on Q, K, V rebased beforehand, and the rebase
-    passes' ms; ``sweep_configs``: tile configurations of the Triton kernel (the one the CPU interpreter
-    runs)."""
-    from jagged_attn.kernels.sm90 import hopper_fwd, hopper_fwd_ws, rebase
+    passes' ms; ``sweep_configs``: tile configurations of the portable Triton kernel."""
+    from jagged_attn.kernels.portable import forward as portable_forward
+    from jagged_attn.kernels.producers import rebase
+    from jagged_attn.kernels.sm90 import forward as sm90_forward
 
     mq, mk, mv = quantized_inputs(w)
     forward = dict(causal=w.causal, softmax_scale=w.scale)
     results = {}
     for name, scores in (("ours", "bf16"), ("fast", "fp8")):
-        results[f"{name} mxfp8"] = median_ms(lambda: hopper_fwd.attention_forward(mq, mk, mv, scores=scores, **forward))
+        results[f"{name} mxfp8"] = median_ms(
+            lambda: sm90_forward.attention_forward(mq, mk, mv, scores=scores, **forward))
         if not kernel:
             continue
-        alone, rebase_q, rebase_kv = forward_kernel_alone(w, mq, mk, mv, hopper_fwd_ws.tile_config(w.dim, scores))
+        alone, rebase_q, rebase_kv = forward_kernel_alone(w, mq, mk, mv, sm90_forward.tile_config(w.dim, scores))
         results[f"{name} kernel"] = median_ms(alone)
         results[f"{name} rebase ms: q"] = median_ms(rebase_q)
         results[f"{name} rebase ms: k, v"] = median_ms(rebase_kv)
     for c in sweep_configs:
         rebased = (*rebase.rebase_feature(mk, group=c["BLOCK_N"]), *rebase.rebase_sequence(mv))
         results[f"triton {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s"] = median_ms(
-            lambda: hopper_fwd._forward(
+            lambda: portable_forward._forward(
                 mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=c, **forward
             )
         )
@@ -554,7 +557,8 @@ def git_version():
         described = "unknown"
     digest = hashlib.sha256()
     root = os.path.dirname(here)
-    for folder in ("jagged_attn", "kernels", "kernels/common", "kernels/producers", "kernels/sm90", "kernels/sm100"):
+    for folder in ("jagged_attn", "kernels", "kernels/common", "kernels/producers", "kernels/portable", "kernels/sm90",
+                   "kernels/sm100"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
             if name.endswith(".py"):
                 with open(os.path.join(root, folder, name), "rb") as source:

@@ -5,7 +5,7 @@ On a workload set of ``bench.py`` (``--set``: the design set unless named; head_
 * ``--profile``: CUDA time per kernel of one ``jagged_attention`` training step (backend ``hopper``,
   or ``hopper-exact-scores`` with ``--exact-scores``; forward + backward through autograd;
   ``torch.profiler`` over five steps), every kernel, largest first;
-* otherwise: the Gluon backward kernel alone (``hopper_bwd_ws.launch``, the producers run once
+* otherwise: the Gluon backward kernel alone (``sm90.backward.launch``, the producers run once
   beforehand), with dQ accumulated or not (``--no-dq``), with FP8 S and dP (backend ``hopper``'s) or
   exact ones (``--exact-scores``), as median ms and TFLOP/s, with the sums of
   ``|dQ|``, ``|dK|``, ``|dV|`` so that two versions' outputs can be compared.
@@ -55,17 +55,18 @@ def profile_step(w: Workload, backend: str) -> None:
 
 
 def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -> None:
-    from jagged_attn.kernels.sm90 import bwd_passes, hopper_bwd_ws
+    from jagged_attn.kernels.producers import backward_passes
+    from jagged_attn.kernels.sm90 import backward as sm90_backward
 
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
-    prep = bwd_passes.Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k, exact_scores=exact_scores,
-                                **bwd_passes.gluon_preparation(not accumulate_dq))
-    dq_accum = torch.zeros(w.q.shape[0] + hopper_bwd_ws.BLOCK_M.value, w.heads, w.dim, device="cuda")
+    prep = backward_passes.Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k,
+                                    exact_scores=exact_scores, **sm90_backward.preparation(not accumulate_dq))
+    dq_accum = torch.zeros(w.q.shape[0] + sm90_backward.BLOCK_M.value, w.heads, w.dim, device="cuda")
     dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
 
     def kernel():
-        hopper_bwd_ws.launch(prep, dq_accum, dk, dv, softmax_scale=w.scale, causal=w.causal,
+        sm90_backward.launch(prep, dq_accum, dk, dv, softmax_scale=w.scale, causal=w.causal,
                              accumulate_dq=accumulate_dq)
 
     kernel()
@@ -85,9 +86,9 @@ def main():
     parser.add_argument("--set", default="design", choices=sorted(WORKLOAD_SETS), help="bench.py's workload set")
     parser.add_argument("--workloads", nargs="*", help="names or indices in the set (default: all)")
     args = parser.parse_args()
-    from jagged_attn.kernels.sm90 import hopper_bwd_ws
+    from jagged_attn.kernels.sm90 import backward as sm90_backward
 
-    print("kernels from", hopper_bwd_ws.__file__)
+    print("kernels from", sm90_backward.__file__)
     for spec in select(WORKLOAD_SETS[args.set], args.workloads):
         w = Workload.of(spec, spec.dim or HEAD_DIM)
         if args.profile:

@@ -1,7 +1,7 @@
-"""Benchmark: the Hopper forward's Gluon kernel alone (``hopper_fwd_ws``), on ``bench.py``'s workloads.
+"""Benchmark: the Hopper forward's Gluon kernel alone (``sm90.forward``), on ``bench.py``'s workloads.
 
 Q, K and V are quantized and rebased once beforehand; each row is the median time of the kernel's
-launch with the tile configuration of ``hopper_fwd_ws.tile_config``, optionally overridden
+launch with the tile configuration of ``sm90.forward.tile_config``, optionally overridden
 (``--config STAGES=2``), with FP8 S (``--scores fp8``, default) or exact S, and the sums of |O|
 and of the finite LSE so that two versions' outputs can be compared.
 
@@ -20,9 +20,9 @@ from bench import WORKLOAD_SETS, Workload, forward_kernel_alone, median_ms, quan
 
 
 def time_forward_kernel(w: Workload, scores: str, overrides: dict, label: str) -> None:
-    from jagged_attn.kernels.sm90 import hopper_fwd_ws
+    from jagged_attn.kernels.sm90 import forward as sm90_forward
 
-    config = {**hopper_fwd_ws.tile_config(w.dim, scores), **overrides}
+    config = {**sm90_forward.tile_config(w.dim, scores), **overrides}
     kernel, _, _ = forward_kernel_alone(w, *quantized_inputs(w), config)
     out, lse = kernel()
     finite = torch.isfinite(lse)

@@ -1,7 +1,7 @@
-"""Benchmark: the Hopper forward's rebasing producers (kernels/sm90/rebase.py) against a device copy.
+"""Benchmark: the Hopper forward's rebasing producers (kernels/producers/rebase.py) against a device copy.
 
 For bf16 K and V ``[tokens, heads, dim]`` in four batches of the same token count (dense 8
-sequences, one long sequence, ragged lengths up to 4096, 256-token sequences) it times, as ``hopper_fwd_ws`` calls them:
+sequences, one long sequence, ragged lengths up to 4096, 256-token sequences) it times, as ``sm90.forward`` calls them:
 K's feature rebase (exact: bf16 copies of the MX values; fp8: e4m3 on one exponent per KV tile) and
 V's sequence rebase (both passes: exponents, then the transposed e4m3), from the bf16 values and
 from their MXFP8 form (``quantize_mxfp8``: e4m3 data and tiled scales read instead).
@@ -26,7 +26,7 @@ import torch
 import triton
 from bench_rmsnorm_quantize import copy_ms, median_ms, nbytes, ragged_offsets
 from jagged_attn import quantize_mxfp8
-from jagged_attn.kernels.sm90 import rebase
+from jagged_attn.kernels.producers import rebase
 
 BLOCK_N = 128  # the Gluon forward's KV tile: one K exponent per tile
 

@@ -1,4 +1,4 @@
-"""Forward accuracy against speed for each way of computing S (``tile_config``'s SCORES).
+"""Forward accuracy against speed for each way of computing S (the portable kernel's ``tile_config`` SCORES).
 
     python3 scripts/fwd_precision.py        # on an sm_90 GPU
 
@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import test_hopper_fwd as cases  # noqa: E402  (the GPU tests' inputs and metrics)
 
 from jagged_attn import quantize_mxfp8, reference  # noqa: E402
-from jagged_attn.kernels.sm90 import hopper_fwd, rebase  # noqa: E402
+from jagged_attn.kernels.portable import forward as portable_forward  # noqa: E402
+from jagged_attn.kernels.producers import rebase  # noqa: E402
 from jagged_attn.offsets import offsets_from_lengths  # noqa: E402
 
 VARIANTS = [dict(SCORES="fp8"), dict(SCORES="bf16"), dict(SCORES="bf16", num_stages=2)]
@@ -32,11 +33,11 @@ KINDS = ["gaussian", "outlier_channel", "heavy_tailed", "peaked"]
 
 
 def forward(mq, mk, mv, causal, scale, variant, out_dtype):
-    config = dict(hopper_fwd.tile_config(mq.head_dim), **variant)
+    config = dict(portable_forward.tile_config(mq.head_dim), **variant)
     rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"),
                *rebase.rebase_sequence(mv))
-    return lambda: hopper_fwd._forward(mq.data, mq, *rebased, mq.offsets, mk.offsets, causal=causal,
-                                       softmax_scale=scale, out_dtype=out_dtype, config=config)
+    return lambda: portable_forward._forward(mq.data, mq, *rebased, mq.offsets, mk.offsets, causal=causal,
+                                             softmax_scale=scale, out_dtype=out_dtype, config=config)
 
 
 def accuracy(case, kind):

@@ -245,7 +245,8 @@ def gpu_capability(monkeypatch):
 
 def test_auto_on_a_gpu_without_kernels_warns_once(gpu_capability):
     cuda = torch.device("cuda")
-    for capability, name in (((9, 0), "hopper"), ((10, 0), "block-scaled"), ((12, 0), "block-scaled")):
+    for capability, name in (((8, 9), "portable"), ((9, 0), "hopper"), ((10, 0), "block-scaled"),
+                             ((12, 0), "block-scaled")):
         gpu_capability(capability)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -1,8 +1,11 @@
-"""Tests of the Hopper MXFP8 attention backward (``kernels/sm90/hopper_bwd.py``).
+"""Tests of the MXFP8 attention backward on Hopper (``kernels/sm90/backward.py``), of its portable
+Triton twin (``kernels/portable/backward.py``) and of their producers
+(``kernels/producers/backward_passes.py``).
 
-CPU: the Triton interpreter on tiny ragged shapes against ``reference_backward``; an sm_90 compile
-check for FP8 wgmma. GPU (``-m gpu``): accuracy on realistic shapes and input families, and timings
-against cuDNN's BF16 backward.
+CPU: the portable kernels in the Triton interpreter on tiny ragged shapes against
+``reference_backward``; compile checks for sm_90 (FP8 wgmma) and sm_89 (e4m3 mma.sync). GPU
+(``-m gpu``): accuracy on realistic shapes and input families, and timings against cuDNN's BF16
+backward.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import pytest
 import torch
 
 from jagged_attn.kernels.common import layout
-from jagged_attn.kernels.sm90 import bwd_passes, hopper_bwd, hopper_bwd_ws
+from jagged_attn.kernels.portable import backward as portable_backward
+from jagged_attn.kernels.producers import backward_passes
+from jagged_attn.kernels.sm90 import backward as sm90_backward
 from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.quantize import quantize_mxfp8
@@ -26,8 +31,8 @@ from jagged_attn.reference import reference_backward, reference_forward, softmax
 from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
 from test_quantize_kernel import assert_data_identical
 
-# What hopper_bwd._backward_into prepares for the Gluon kernel (dQ accumulated).
-GLUON_PREPARATION = bwd_passes.gluon_preparation()
+# What sm90_backward.backward_into prepares for the Gluon kernel (dQ accumulated).
+GLUON_PREPARATION = sm90_backward.preparation()
 
 REL_L2_VS_REFERENCE = 2e-2
 COSINE_SLACK = 1e-3
@@ -77,12 +82,13 @@ def forward_of(q, k, v, offsets_q, offsets_k, causal, scale):
 
 
 def run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic=False, dlse=None,
-                 **config):
-    """hopper_bwd gradients written into NaN-poisoned buffers (so unwritten elements show)."""
+                 kernel=None, **options):
+    """Gradients written into NaN-poisoned buffers (so unwritten elements show) by the Hopper backward on
+    CUDA (``options``: its ``scores``), the portable one on CPU or with ``kernel="portable"``."""
     grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    config = config or hopper_bwd._default_config(q.device)
-    hopper_bwd._backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                              softmax_scale=scale, deterministic=deterministic, dlse=dlse, **config)
+    module = sm90_backward if q.is_cuda and kernel != "portable" else portable_backward
+    module.backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                         softmax_scale=scale, deterministic=deterministic, dlse=dlse, **options)
     return grads
 
 
@@ -146,8 +152,8 @@ def test_deterministic_is_bit_identical_and_public_entry_point():
     q, k, v, dout, offsets_q, offsets_k = make_inputs([50, 7], [20, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, True, 0.125)
     args = (dout, q, k, v, out, lse, offsets_q, offsets_k)
-    first = hopper_bwd.attention_backward(*args, causal=True, softmax_scale=0.125, deterministic=True)
-    second = hopper_bwd.attention_backward(*args, causal=True, softmax_scale=0.125, deterministic=True)
+    first = portable_backward.attention_backward(*args, causal=True, softmax_scale=0.125, deterministic=True)
+    second = portable_backward.attention_backward(*args, causal=True, softmax_scale=0.125, deterministic=True)
     for a, b in zip(first, second):
         assert a.dtype == q.dtype and torch.equal(a, b)
 
@@ -156,7 +162,8 @@ def test_rejects_bad_shapes():
     q, k, v, dout, offsets_q, offsets_k = make_inputs([4], [4], 3, 2, 64)
     out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2])
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        hopper_bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=False, softmax_scale=1.0)
+        portable_backward.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=False,
+                                             softmax_scale=1.0)
 
 
 def _signature(kernel_args, pointer_types, constexprs):
@@ -166,21 +173,52 @@ def _signature(kernel_args, pointer_types, constexprs):
 
 
 def test_main_kernel_compiles_to_fp8_wgmma_for_sm90():
-    names = hopper_bwd._dkdv_kernel.arg_names
+    names = portable_backward._dkdv_kernel.arg_names
     constexprs = dict(HEADS_Q=4, HEADS_KV=2, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CAUSAL=True,
                       SCORE_ACC_STEP=None, ACCUMULATE_DQ=True, TMA_REDUCE=True, INTERPRET=False)
     pointers = {n: ("*fp8e4nv" if n in ("q_ptr", "qt_ptr", "k_ptr", "kt_ptr", "v_ptr", "do_ptr", "dot_ptr")
                     else "*bf16" if n in ("dk_ptr", "dv_ptr") else "*i32" if n.startswith("offsets") else "*fp32")
                 for n in names if n.endswith("_ptr")}
     pointers.update(softmax_scale="fp32", dq_desc="tensordesc<fp32[64,128]>")
-    ptx = compile_ptx("jagged_attn.kernels.sm90.hopper_bwd", "_dkdv_kernel", _signature(names, pointers, constexprs),
+    ptx = compile_ptx("jagged_attn.kernels.portable.backward", "_dkdv_kernel", _signature(names, pointers, constexprs),
                       constexprs, arch=90, num_warps=8)
     assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ tiles added by TMA
 
 
+# Shared memory one block may use on sm_89 (Ada: L4, L40S): 99 KB.
+ADA_SHARED_BYTES = 101376
+
+
+@pytest.mark.parametrize("kernel", ["_dkdv_kernel", "_dq_kernel"])
+def test_portable_kernels_compile_to_e4m3_mma_for_sm89(monkeypatch, kernel):
+    """What backend ``portable`` runs on sm_89 (``auto`` there): every MMA an e4m3 ``mma.sync``, dQ added by
+    atomics (no TMA below sm_90), in the shared memory an sm_89 block has, with its GPU tiles."""
+    names = getattr(portable_backward, kernel).arg_names
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    tiles = portable_backward.tile_config(torch.device("cuda"))
+    assert not tiles["tma_reduce"]
+    if kernel == "_dq_kernel":
+        tiles |= portable_backward.GPU_DQ_TILES
+    constexprs = dict(HEADS_Q=4, HEADS_KV=2, HEAD_DIM=128, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"],
+                      CAUSAL=True, SCORE_ACC_STEP=portable_backward.PRECISE_ACC_STEP, INTERPRET=False)
+    if kernel == "_dkdv_kernel":
+        constexprs |= dict(ACCUMULATE_DQ=True, TMA_REDUCE=False)
+    fp8_operands = ("q_ptr", "qt_ptr", "k_ptr", "kt_ptr", "v_ptr", "do_ptr", "dot_ptr")
+    pointers = {n: ("*fp8e4nv" if n in fp8_operands else "*bf16" if n in ("dk_ptr", "dv_ptr", "dq_ptr")
+                    else "*i32" if n.startswith("offsets") else "*fp32") for n in names if n.endswith("_ptr")}
+    pointers.update(softmax_scale="fp32", dq_desc="*fp32")
+    ptx, shared = compile_kernel("jagged_attn.kernels.portable.backward", kernel,
+                                 _signature(names, pointers, constexprs), constexprs, arch=89,
+                                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    mmas = [line for line in ptx.splitlines() if "mma.sync" in line]
+    assert mmas and all(".e4m3.e4m3." in line for line in mmas)
+    assert "wgmma" not in ptx and "cp.reduce.async.bulk" not in ptx
+    assert shared <= ADA_SHARED_BYTES
+
+
 def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None):
-    """What ``bwd_passes.quantize_for_backward`` writes, in torch (name -> tensor): the sequence-axis copy at the
+    """What ``backward_passes.quantize_for_backward`` writes, in torch (name -> tensor): the sequence-axis copy at the
     columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end."""
     values = x.float()
     token_byte = scale_bytes(values.abs().amax(-1))  # [total, H]
@@ -237,7 +275,7 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
 
     monkeypatch.setattr(torch, "empty", poisoned)
     options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse, dlse=dlse)
-    result, delta, lse2 = bwd_passes.quantize_for_backward(x, offsets, feature=True, sequence=True, **options)
+    result, delta, lse2 = backward_passes.quantize_for_backward(x, offsets, feature=True, sequence=True, **options)
     monkeypatch.undo()
     got = dict(feature=result.feature, feature_scale=result.feature_scale,
                sequence=result.sequence[..., written_columns(offsets)], sequence_scale=result.sequence_scale)
@@ -262,7 +300,7 @@ def test_ordered_copies_are_the_natural_copy_permuted_in_each_slot(order, key_sl
     and K^T) are the natural transposed copy with each 128-token slot's columns in ``pv_key_slot``
     or ``ds_key_slot`` order; everything else equal."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 31, 129], [1, 1, 1, 1], 4, 2, 64)
-    quantize = functools.partial(bwd_passes.quantize_for_backward, q, offsets_q, feature=True, sequence=True,
+    quantize = functools.partial(backward_passes.quantize_for_backward, q, offsets_q, feature=True, sequence=True,
                                  normalize_tokens=True, group=2)
     natural, _, _ = quantize()
     reordered, _, _ = quantize(order=order)
@@ -294,12 +332,12 @@ def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
     def host_sync(offsets, rows):
         raise AssertionError("max_length synchronizes with the device")
 
-    monkeypatch.setattr(bwd_passes, "max_length", host_sync)
+    monkeypatch.setattr(backward_passes, "max_length", host_sync)
     q, k, v, dout, offsets_q, offsets_k = make_inputs([0, 1, 129, 33], [5, 0, 64, 200], 4, 2, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=True)
-    assert prep.tiles_q.shape[0] == prep.total_q // bwd_passes.PRODUCER_TILE + prep.batch
+    assert prep.tiles_q.shape[0] == prep.total_q // backward_passes.PRODUCER_TILE + prep.batch
     with pytest.raises(AssertionError, match="synchronizes"):
         prep.max_len_q  # the Triton kernels' grids still read it
 
@@ -310,11 +348,11 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     lengths_q, lengths_k, heads_q, heads_kv, dim = [3, 0, 130], [5, 2, 7], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
     sums = torch.randn(q.shape[0] + 64, heads_q, dim)
     dq = torch.full_like(q, math.nan)
     tiles = tile_list(offsets_q, q.shape[0], 64)
-    bwd_passes._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
+    backward_passes._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
         sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
         HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
@@ -327,14 +365,14 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
 def padded_vectors_of(q_scale, lse2, do_scale, delta):
     """What the Gluon kernel's padded per-query vectors hold, from the producers' ``[H, total]``
     vectors (index -> tensor): Q's token scale, lse2 - log2(P_SCALE), dO's token scale, q * Delta."""
-    ws = hopper_bwd_ws
+    ws = backward_passes
     return {ws.Q_FACTOR.value: q_scale, ws.P_LSE2.value: lse2 - mx_format.P_STATIC_EXP,
             ws.DO_FACTOR.value: do_scale, ws.Q_DELTA.value: q_scale * delta}
 
 
 # What the padded per-query vectors hold past a sequence's end: P_LSE2 +inf (p = 0 without a mask), else 0.
-PAST_END = {v.value: math.inf if v is hopper_bwd_ws.P_LSE2 else 0.0 for v in
-            (hopper_bwd_ws.Q_FACTOR, hopper_bwd_ws.P_LSE2, hopper_bwd_ws.DO_FACTOR, hopper_bwd_ws.Q_DELTA)}
+PAST_END = {v.value: math.inf if v is backward_passes.P_LSE2 else 0.0 for v in
+            (backward_passes.Q_FACTOR, backward_passes.P_LSE2, backward_passes.DO_FACTOR, backward_passes.Q_DELTA)}
 
 
 def test_gluon_kernel_arguments_build_on_the_host():
@@ -344,10 +382,10 @@ def test_gluon_kernel_arguments_build_on_the_host():
     lengths_q, heads_q, heads_kv, dim = [0, 3, 130, 1], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
-    dq_accum = torch.zeros(prep.total_q + hopper_bwd_ws.BLOCK_M.value, heads_q, dim)
-    descriptors = hopper_bwd_ws._descriptors(prep, dq_accum)
-    rows = hopper_bwd_ws.BLOCK_M.value
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    dq_accum = torch.zeros(prep.total_q + sm90_backward.BLOCK_M.value, heads_q, dim)
+    descriptors = sm90_backward._descriptors(prep, dq_accum)
+    rows = sm90_backward.BLOCK_M.value
     assert [d.block_shape for d in descriptors] == [[rows, dim], [dim, rows], [64, dim], [dim, 64], [64, dim],
                                                     [rows, dim], [dim, rows], [rows], [rows, 32]]
     assert list(descriptors[-1].shape) == [prep.total_q + rows, heads_q * dim]
@@ -374,17 +412,17 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
     dlse = 10 * torch.randn(lse.shape) if feature_dtype == torch.bfloat16 else None
     padded_q = padded_total(q.shape[0], len(lengths))
-    rows = torch.full((hopper_bwd_ws.ROW_VECTORS.value, heads, padded_q), math.nan)
-    mq, _, _ = bwd_passes.quantize_for_backward(q, offsets, feature=True, sequence=False, rows=rows,
-                                                feature_dtype=feature_dtype)
-    mdo, delta, lse2 = bwd_passes.quantize_for_backward(dout, offsets, feature=True, sequence=False, out=out, lse=lse,
-                                                        rows=rows, feature_dtype=feature_dtype, dlse=dlse)
+    rows = torch.full((backward_passes.ROW_VECTORS.value, heads, padded_q), math.nan)
+    mq, _, _ = backward_passes.quantize_for_backward(q, offsets, feature=True, sequence=False, rows=rows,
+                                                     feature_dtype=feature_dtype)
+    mdo, delta, lse2 = backward_passes.quantize_for_backward(dout, offsets, feature=True, sequence=False, out=out,
+                                                             lse=lse, rows=rows, feature_dtype=feature_dtype, dlse=dlse)
     expected_delta = softmax_delta(dout, out, dlse)
     torch.testing.assert_close(delta, expected_delta.T, rtol=1e-5, atol=1e-4)
     vectors = padded_vectors_of(mq.feature_scale, lse2, mdo.feature_scale, delta)
     if feature_dtype == torch.bfloat16:
-        del vectors[hopper_bwd_ws.DO_FACTOR.value]
-        assert rows[hopper_bwd_ws.DO_FACTOR.value].isnan().all()
+        del vectors[backward_passes.DO_FACTOR.value]
+        assert rows[backward_passes.DO_FACTOR.value].isnan().all()
     written = torch.zeros(padded_q, dtype=torch.bool)
     for b, length in enumerate(lengths):
         start, slot = int(offsets[b]), layout.padded_seq_start(int(offsets[b]), b)
@@ -397,19 +435,17 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     assert rows[:, :, ~written].isnan().all()
 
 
-def test_kernel_choice():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert hopper_bwd._default_config(cpu)["kernel"] == "triton"
-    assert hopper_bwd._default_config(cpu, scores="fp8") == hopper_bwd._default_config(cpu)
-    assert hopper_bwd._default_config(cuda) == dict(kernel="gluon", exact_scores=True)
-    assert hopper_bwd._default_config(cuda, "gluon", "fp8") == dict(kernel="gluon", exact_scores=False)
-    assert hopper_bwd._default_config(cuda, "triton") == hopper_bwd.GPU_TRITON_CONFIG
-    with pytest.raises(ValueError, match="CUDA devices only"):
-        hopper_bwd._default_config(cpu, "gluon")
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        hopper_bwd._default_config(cpu, "cutlass")
+def test_tile_choice_and_score_modes(monkeypatch):
+    """The portable kernel's tiles: small in the interpreter; on GPUs dQ by TMA reduce-adds from sm_90 on,
+    by atomics on sm_89. The Hopper backward takes the two score modes and no other."""
+    assert portable_backward.tile_config(torch.device("cpu")) == portable_backward.INTERPRETER_TILES
+    for capability, tma in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert portable_backward.tile_config(torch.device("cuda"))["tma_reduce"] is tma
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([4], [4], 2, 2, 64)
     with pytest.raises(ValueError, match="scores must be one of"):
-        hopper_bwd._default_config(cuda, scores="fp16")
+        sm90_backward.attention_backward(dout, q, k, v, q, torch.zeros(q.shape[:2]), offsets_q, offsets_k,
+                                         causal=False, softmax_scale=1.0, scores="fp16")
 
 
 def mx_values(quantized):
@@ -421,8 +457,8 @@ def test_exact_score_copies_hold_the_mx_values():
     """``feature_dtype=bf16`` (Q and K for the Gluon kernel's exact S) stores the MX values of the
     e4m3 feature copy (its e4m3 values times the token scales, exactly), with the same token scales."""
     q, _, _, _, offsets_q, _ = make_inputs([0, 1, 33, 70], [1, 1, 1, 1], 4, 2, 64, kind="heavy")
-    e4m3, _, _ = bwd_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False)
-    bf16, _, _ = bwd_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False,
+    e4m3, _, _ = backward_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False)
+    bf16, _, _ = backward_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False,
                                                   feature_dtype=torch.bfloat16)
     assert bf16.feature.dtype == torch.bfloat16
     assert torch.equal(bf16.feature.float(), mx_values(e4m3))
@@ -437,9 +473,9 @@ def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq
     before any launch."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 70], [5, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
     with pytest.raises(ValueError, match="PV_ORDER"):
-        hopper_bwd_ws.launch(prep, torch.zeros(80, 2, 64), torch.empty_like(k), torch.empty_like(v),
+        sm90_backward.launch(prep, torch.zeros(80, 2, 64), torch.empty_like(k), torch.empty_like(v),
                              softmax_scale=0.125, causal=False, accumulate_dq=accumulate_dq)
 
 
@@ -450,8 +486,8 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    fp8 = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
-    exact = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+    fp8 = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    exact = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                  exact_scores=True)
     for name in ("q", "k", "v", "do"):
         a, b = getattr(fp8, name), getattr(exact, name)
@@ -477,24 +513,24 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
-    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=exact_scores)
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
-    dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, 8, dim)
-    signature = {name: descriptor_type(d) for name, d in zip(names, hopper_bwd_ws._descriptors(prep, dq_accum))}
+    dq_accum = torch.zeros(q.shape[0] + sm90_backward.BLOCK_M.value, 8, dim)
+    signature = {name: descriptor_type(d) for name, d in zip(names, sm90_backward._descriptors(prep, dq_accum))}
     signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale")})
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", total_q="i32",
                      total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
-                      **hopper_bwd_ws.tile_config(dim))
+                      **sm90_backward.tile_config(dim))
     signature.update({name: "constexpr" for name in constexprs})
-    ptx, shared = compile_kernel("jagged_attn.kernels.sm90.hopper_bwd_ws", "_attention_backward_kernel", signature,
+    ptx, shared = compile_kernel("jagged_attn.kernels.sm90.backward", "_attention_backward_kernel", signature,
                                  constexprs, arch=90, gluon=True)
     assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
     fp8 = {f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in ((dim,) if exact_scores else (64, dim))}
     if accumulate_dq:  # the dQ warpgroup's pieces: N = DQ_PIECE
-        fp8.add(f"wgmma.mma_async.sync.aligned.m64n{hopper_bwd_ws.DQ_PIECE.value}k32.f32.e4m3.e4m3")
+        fp8.add(f"wgmma.mma_async.sync.aligned.m64n{sm90_backward.DQ_PIECE.value}k32.f32.e4m3.e4m3")
     bf16 = {"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"} if exact_scores else set()
     assert wgmma == fp8 | bf16
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
@@ -511,24 +547,24 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
     per SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14).
     With the LSE's gradient taken into Delta (only when the loss differentiates through the LSE) dO's
     takes 190: two programs per SM, still without spills."""
-    ws = hopper_bwd_ws
+    ws = backward_passes
     is_do = tensor.startswith("dout")
     with_dlse = tensor == "dout+dlse"
     rows = dict(SCALE_ROW=-1 if is_do else ws.Q_FACTOR.value, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
                 Q_FACTOR_ROW=ws.Q_FACTOR.value, Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=bwd_passes.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
-                 GROUP=1 if is_do else 2, CHUNK=bwd_passes.PRODUCER_CHUNK)
-    passes = [("_sequence_amax_kernel", shape, bwd_passes.AMAX_WARPS),
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
+                 GROUP=1 if is_do else 2, CHUNK=backward_passes.PRODUCER_CHUNK)
+    passes = [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS),
               ("_quantize_kernel", dict(shape, FEATURE=True, SEQUENCE=True, DELTA=is_do, DLSE=with_dlse,
                                         ORDER=layout.PV_ORDER.value, INTERPRET=False, **rows),
-               bwd_passes.QUANTIZE_WARPS)]
+               backward_passes.QUANTIZE_WARPS)]
     for kernel, constexprs, warps in passes:
-        names = getattr(bwd_passes, kernel).arg_names
+        names = getattr(backward_passes, kernel).arg_names
         pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*bf16", sequence_ptr="*fp8e4nv",
                         offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
-        ptx = compile_ptx("jagged_attn.kernels.sm90.bwd_passes", kernel, _signature(names, pointers, constexprs),
-                          constexprs, arch=90, num_warps=warps,
+        ptx = compile_ptx("jagged_attn.kernels.producers.backward_passes", kernel,
+                          _signature(names, pointers, constexprs), constexprs, arch=90, num_warps=warps,
                           aligned=[n for n in names if n.endswith("_ptr") or n == "padded"])  # padded: 128k
         report = ptxas_report(ptx, 90)
         assert "0 bytes spill stores" in report, kernel
@@ -552,14 +588,18 @@ def exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale):
 # What each backward variant is held to (docs/DESIGN.md section 7 bars): the GPU default (Gluon kernel, exact S;
 # with deterministic=True its dQ kernel reads the same bf16 Q and K) on every input kind; variants whose S
 # comes from FP8 wgmma are only reported where that accumulation moves S too far (docs/perf-history.md v6): the
-# Triton kernel (kernel="triton", FP8 S promoted every 32 channels) on outlier channels (~0.1) and
+# portable Triton kernel (kernel="portable", FP8 S promoted every 32 channels) on outlier channels (~0.1) and
 # heavy-tailed inputs (1-2e-2 measured, up to 6e-2 in the CPU model), backend hopper's FP8 S on both.
-ACCURACY_VARIANTS = [  # (deterministic, config, kinds asserted)
-    (False, dict(kernel="gluon", exact_scores=True), set(KINDS)),
-    (True, dict(kernel="gluon", exact_scores=True), set(KINDS)),
-    (False, hopper_bwd.GPU_TRITON_CONFIG, {"gaussian", "peaked"}),
-    (False, dict(kernel="gluon", exact_scores=False), {"gaussian", "peaked"}),
+ACCURACY_VARIANTS = [  # (deterministic, run_backward's options, kinds asserted)
+    (False, dict(scores="bf16"), set(KINDS)),
+    (True, dict(scores="bf16"), set(KINDS)),
+    (False, dict(kernel="portable"), {"gaussian", "peaked"}),
+    (False, dict(scores="fp8"), {"gaussian", "peaked"}),
 ]
+
+
+def _label(options):
+    return options.get("kernel") or f"hopper-{options['scores']}"
 
 
 @pytest.mark.gpu
@@ -572,20 +612,18 @@ def test_gpu_accuracy(kind, causal):
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
     reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
     exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
-    assert hopper_bwd._default_config(q.device) == ACCURACY_VARIANTS[0][1]
     failures = []
     for deterministic, config, asserted_kinds in ACCURACY_VARIANTS:
         asserted = kind in asserted_kinds
         got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic, **config)
         for name, g, r, e in zip(("dq", "dk", "dv"), got, reference, exact):
-            print(f"[bwd-accuracy] {kind:8s} causal={causal:d} det={deterministic:d} {config['kernel']:6s}"
-                  f"{'-exact' if config.get('exact_scores') else ''} {name}: "
+            print(f"[bwd-accuracy] {kind:8s} causal={causal:d} det={deterministic:d} {_label(config):14s} {name}: "
                   f"rel-L2 vs reference "
                   f"{rel_l2(g, r):.3e}; cosine vs fp64 {cosine(g, e):.6f} (reference {cosine(r, e):.6f}); "
                   f"rel-L2 vs fp64 {rel_l2(g, e):.3e} (reference {rel_l2(r, e):.3e})")
             if asserted and not (torch.isfinite(g).all() and rel_l2(g, r) < REL_L2_VS_REFERENCE
                                  and cosine(g, e) >= cosine(r, e) - COSINE_SLACK):
-                failures.append(f"{name} det={deterministic} {config['kernel']}")
+                failures.append(f"{name} det={deterministic} {_label(config)}")
     assert not failures, failures
 
 
@@ -612,8 +650,7 @@ def test_gpu_fp8_scores_gradient_error_against_fp64_is_the_reference_backends(ki
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
     reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
     exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
-    got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, kernel="gluon",
-                       exact_scores=False)
+    got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, scores="fp8")
     for name, g, r, e in zip(("dq", "dk", "dv"), got, reference, exact):
         print(f"[bwd-policy] {kind:8s} causal={causal:d} {name}: rel-L2 vs fp64 {rel_l2(g, e):.4e} "
               f"(reference {rel_l2(r, e):.4e}); cosine {cosine(g, e):.6f} (reference {cosine(r, e):.6f})")
@@ -646,10 +683,10 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(case, causal):
     scale = dim**-0.5
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
     triton_grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, True,
-                                **hopper_bwd.GPU_TRITON_CONFIG)
+                                kernel="portable")
     for deterministic, exact_scores in ((False, True), (True, True), (False, False)):
         grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic,
-                             kernel="gluon", exact_scores=exact_scores)
+                             scores="bf16" if exact_scores else "fp8")
         for name, g, t in zip(("dq", "dk", "dv"), grads, triton_grads):
             label = f"{name} det={deterministic} exact={exact_scores}"
             assert torch.isfinite(g).all(), f"{label}: unwritten (NaN) elements"
@@ -673,7 +710,7 @@ def test_gpu_gluon_kernel_lse_gradient(causal):
                                   dlse=dlse)
     for deterministic, exact_scores in ((False, True), (True, True), (False, False)):
         grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, deterministic, dlse=dlse,
-                             kernel="gluon", exact_scores=exact_scores)
+                             scores="bf16" if exact_scores else "fp8")
         for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
             label = f"{name} det={deterministic} exact={exact_scores}"
             assert torch.isfinite(g).all(), f"{label}: unwritten (NaN) elements"
@@ -694,9 +731,8 @@ def test_gpu_gluon_kernel_gradients_in_other_dtypes(dtype):
     for causal in (False, True):
         out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
         triton_grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, True,
-                                    **hopper_bwd.GPU_TRITON_CONFIG)
-        grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, kernel="gluon",
-                             exact_scores=True)
+                                    kernel="portable")
+        grads = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, scores="bf16")
         for name, g, t in zip(("dq", "dk", "dv"), grads, triton_grads):
             assert g.dtype == dtype and torch.isfinite(g).all(), f"{name} causal={causal}: unwritten (NaN) elements"
             assert rel_l2(g, t) < 1e-2, f"{name} causal={causal}: rel-L2 {rel_l2(g, t):.3e} vs Triton"
@@ -715,8 +751,8 @@ def test_gpu_mxfp8_vs_bf16_gradients():
                                                               device="cuda", dtype=torch.bfloat16, kind=kind)
             exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
             out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
-            mx = hopper_bwd.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                               softmax_scale=scale)
+            mx = sm90_backward.attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                                                  softmax_scale=scale)
             dense = [t.view(batch, length, heads, dim).transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
             bf16_out = sdpa(*dense, is_causal=causal, scale=scale)
             bf16 = torch.autograd.grad(bf16_out, dense, dout.view(batch, length, heads, dim).transpose(1, 2))
@@ -742,13 +778,13 @@ def _median_ms(fn, *args, **kwargs):
     return triton.testing.do_bench(functools.partial(fn, *args, **kwargs), warmup=50, rep=300, return_mode="median")
 
 
-def _ours(q, k, v, dout, out, lse, offsets_q, offsets_k, **options):
+def _ours(q, k, v, dout, out, lse, offsets_q, offsets_k, kernel=None, **options):
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    hopper_bwd._backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, **options)
+    module = portable_backward if kernel == "portable" else sm90_backward
+    module.backward_into(*grads, dout, q, k, v, out, lse, offsets_q, offsets_k, **options)
 
 
-TIMING_CONFIGS = [dict(kernel="gluon", exact_scores=True), dict(kernel="gluon", exact_scores=False),
-                  hopper_bwd.GPU_TRITON_CONFIG]  # the GPU default first
+TIMING_CONFIGS = [dict(scores="bf16"), dict(scores="fp8"), dict(kernel="portable")]
 
 
 @pytest.mark.gpu
@@ -775,22 +811,21 @@ def test_gpu_timing():
             ms = _median_ms(_ours, *problem, causal=causal, softmax_scale=scale, deterministic=deterministic, **config)
             rows.append((f"mxfp8 causal={causal:d} det={deterministic:d} {config}", ms, flops / ms * 1e-9))
         # Where the Gluon kernel's time goes: producers, the kernel with and without dQ, the Triton dQ kernel.
-        prep = bwd_passes.Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
-        # The deterministic path's Triton dQ kernel reads K^T in natural order (hopper_bwd._backward_into).
-        det_prep = bwd_passes.Prepared(*problem, query_order=layout.PV_ORDER, exact_scores=True)
-        dq_accum = torch.zeros(q.shape[0] + hopper_bwd_ws.BLOCK_M.value, *q.shape[1:], device="cuda")
+        prep = backward_passes.Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
+        # The deterministic path's portable dQ kernel reads K^T in natural order (sm90_backward.preparation).
+        det_prep = backward_passes.Prepared(*problem, **sm90_backward.preparation(True), exact_scores=True)
+        dq_accum = torch.zeros(q.shape[0] + sm90_backward.BLOCK_M.value, *q.shape[1:], device="cuda")
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [
-            ("producers (4 tensors)", _median_ms(bwd_passes.Prepared, *problem, **GLUON_PREPARATION,
+            ("producers (4 tensors)", _median_ms(backward_passes.Prepared, *problem, **GLUON_PREPARATION,
                                                  exact_scores=True)),
-            ("Gluon dK/dV kernel + dQ reduce-adds", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
+            ("Gluon dK/dV kernel + dQ reduce-adds", _median_ms(sm90_backward.launch, prep, dq_accum, dk, dv,
                                                                accumulate_dq=True, **launch)),
-            ("Gluon dK/dV kernel, no dQ", _median_ms(hopper_bwd_ws.launch, prep, dq_accum, dk, dv,
+            ("Gluon dK/dV kernel, no dQ", _median_ms(sm90_backward.launch, prep, dq_accum, dk, dv,
                                                      accumulate_dq=False, **launch)),
-            ("dQ kernel (deterministic path)", _median_ms(hopper_bwd._launch_dq, det_prep, torch.empty_like(q),
-                                                          precise_scores=True,
-                                                          **launch, **hopper_bwd.GPU_DQ_TILES)),
+            ("dQ kernel (deterministic path)", _median_ms(portable_backward.launch_deterministic_dq, det_prep,
+                                                          torch.empty_like(q), **launch)),
         ]
         rows += [(f"  part causal={causal:d}: {name}", ms, 0.0) for name, ms in parts]
         del dense, cudnn_out
@@ -802,15 +837,16 @@ def test_gpu_timing():
 def test_gpu_preprocessing_bandwidth():
     """The dO producer as the default backward runs it (amax pass + quantize pass with Delta; the
     feature copy as bf16 e4m3 values for the exact dP, dO^T in pv order, the Gluon kernel's padded
-    per-query vectors, the slot table built once per call and shared, as ``bwd_passes.Prepared``
+    per-query vectors, the slot table built once per call and shared, as ``backward_passes.Prepared``
     does) against a device-to-device copy."""
     _, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
-    rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense
-    produce_ms = _median_ms(bwd_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True, out=out,
-                            lse=lse, order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles, rows=rows)
+    rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense
+    produce_ms = _median_ms(backward_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True,
+                            out=out, lse=lse, order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles,
+                            rows=rows)
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
     # sequence copy written; per token and head fp32: LSE and Q's token scale read, dO's token scale
     # written, Delta and lse2 written twice (flat and padded).

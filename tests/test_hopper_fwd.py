@@ -1,13 +1,8 @@
-"""Hopper MXFP8 forward: rebasing, the kernel against the reference, and FP8 wgmma in the PTX.
+"""MXFP8 forward: rebasing, the Hopper (``kernels/sm90/forward.py``) and portable
+(``kernels/portable/forward.py``) kernels against the reference, and their MMAs in the PTX.
 
-CPU runs use the Triton interpreter on tiny ragged shapes; ``gpu`` tests run the issue's
-accuracy criteria on an sm_90 GPU.
-
-The kernel rounds its running row maximum up to an integer, as the reference does, so rescaling
-earlier tiles by ``2^(m_old - m_new)`` never changes how their P was rounded to e4m3: its result
-equals the reference's P, quantized once against the final row maximum rounded up, whatever the
-tile order. (With the exact maximum, P alone would differ from a one-pass kernel by e4m3 rounding
-noise, ~2.5e-2 relative L2 on Gaussian inputs, which would hide real bugs.)
+CPU runs use the portable kernel in the Triton interpreter on tiny ragged shapes; ``gpu`` tests run
+the issue's accuracy criteria on an sm_90 GPU, with the Hopper kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +16,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jagged_attn import quantize_mxfp8, reference
 from jagged_attn.kernels.common import layout
-from jagged_attn.kernels.sm90 import hopper_fwd, hopper_fwd_ws, rebase
+from jagged_attn.kernels.portable import forward as portable_forward
+from jagged_attn.kernels.producers import rebase
+from jagged_attn.kernels.sm90 import forward as sm90_forward
 from jagged_attn.mxfp8 import element_scale_bytes
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_seq_start, sequence_ids
 from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
@@ -33,6 +30,8 @@ O_TOLERANCE = 2e-2
 LSE_TOLERANCE = 1e-3  # absolute
 COSINE_SLACK = 1e-4  # our cosine vs fp64 may trail the reference's by this much
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The forward this machine runs: the Hopper kernel on a GPU, the portable one in the CPU interpreter.
+FORWARD = sm90_forward if DEVICE == "cuda" else portable_forward
 
 
 @pytest.fixture
@@ -142,14 +141,14 @@ def test_forward_from_high_precision_checks_finiteness(poisoned, name):
     inputs = dict(zip("qkv", make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64, dtype=torch.bfloat16)[:3]))
     offsets = make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64)[3:]
     options = dict(causal=True, softmax_scale=0.125, scores="bf16")
-    checked = hopper_fwd.attention_forward_hp(*inputs.values(), *offsets, check_finite=True, **options)
-    plain = hopper_fwd.attention_forward_hp(*inputs.values(), *offsets, **options)
+    checked = FORWARD.attention_forward_hp(*inputs.values(), *offsets, check_finite=True, **options)
+    plain = FORWARD.attention_forward_hp(*inputs.values(), *offsets, **options)
     assert all(torch.equal(a, b) for a, b in zip(checked, plain))
     bad = inputs[name].clone()
     bad[int(torch.randint(bad.shape[0], ()))] = float("nan")
     inputs[name] = bad
     with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
-        hopper_fwd.attention_forward_hp(*inputs.values(), *offsets, check_finite=True, **options)
+        FORWARD.attention_forward_hp(*inputs.values(), *offsets, check_finite=True, **options)
 
 
 def check_rebase_sequence(lengths, heads, dim, rounding):
@@ -212,7 +211,7 @@ CPU_CASES = [
 def forward_and_reference(mq, mk, mv, causal, scale, scores="fp8"):
     """Our forward (fp32 output; S computed as ``scores`` says) and the reference backend's fp64 one
     on the same MXFP8 inputs."""
-    out, lse = hopper_fwd.attention_forward(
+    out, lse = FORWARD.attention_forward(
         mq, mk, mv, causal=causal, softmax_scale=scale, out_dtype=torch.float32, scores=scores
     )
     ref_out, ref_lse = reference.reference_forward(
@@ -247,9 +246,9 @@ def test_forward_exact_scores_match_reference(poisoned):
 def test_forward_high_precision_equals_quantize_then_forward(poisoned, scores):
     q, k, v, offsets_q, offsets_k = make_inputs([33, 0, 70], [40, 5, 129], 4, 1, 64, dtype=torch.bfloat16)
     options = dict(causal=True, softmax_scale=0.125, scores=scores)
-    out, lse = hopper_fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, **options)
+    out, lse = FORWARD.attention_forward_hp(q, k, v, offsets_q, offsets_k, **options)
     assert out.dtype == torch.bfloat16
-    mx_out, mx_lse = hopper_fwd.attention_forward(*quantized(q, k, v, offsets_q, offsets_k), **options)
+    mx_out, mx_lse = FORWARD.attention_forward(*quantized(q, k, v, offsets_q, offsets_k), **options)
     assert torch.equal(out, mx_out) and torch.equal(lse, mx_lse)
 
 
@@ -285,8 +284,20 @@ def _kernel_signature(out_type):
 
 
 def _tiles(dim):
-    config = hopper_fwd.tile_config(dim)
+    config = portable_forward.tile_config(dim)
     return dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SCORES=config["SCORES"])
+
+
+def test_portable_kernel_compiles_to_e4m3_mma_for_sm89():
+    """What backend ``portable`` runs on sm_89 (``auto`` there): every MMA an e4m3 ``mma.sync`` (Ada's FP8
+    tensor cores), in the 99 KB of shared memory an sm_89 block has."""
+    signature, constexprs = _kernel_signature("*bf16")
+    config = portable_forward.tile_config(128)
+    ptx, shared = compile_kernel("jagged_attn.kernels.portable.forward", "_attention_forward_kernel", signature,
+                                 constexprs, arch=89, num_warps=config["num_warps"], num_stages=config["num_stages"])
+    mmas = [line for line in ptx.splitlines() if "mma.sync" in line]
+    assert mmas and all(".e4m3.e4m3." in line for line in mmas) and "wgmma" not in ptx
+    assert shared <= 101376
 
 
 @pytest.mark.parametrize("scores", ["fp8", "bf16"])
@@ -296,9 +307,9 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
     constexprs["SCORES"] = scores
     if scores == "bf16":
         signature["k"] = "*bf16"  # K comes as its exact MX values (rebase_feature(..., exact=True))
-    config = hopper_fwd.tile_config(128)
+    config = portable_forward.tile_config(128)
     ptx = compile_ptx(
-        "jagged_attn.kernels.sm90.hopper_fwd",
+        "jagged_attn.kernels.portable.forward",
         "_attention_forward_kernel",
         signature,
         constexprs,
@@ -325,7 +336,7 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
                     factor="*fp32", nonfinite="*fp32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
-    ptx = compile_ptx("jagged_attn.kernels.sm90.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
+    ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
                       num_warps=rebase.FEATURE_CONFIG["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
@@ -341,8 +352,8 @@ def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90():
                       CHECK_FINITE=True, INTERPRET=False, BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", nonfinite="*fp32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
-    ptx = compile_ptx("jagged_attn.kernels.sm90.rebase", "_sequence_exponent_kernel", signature, constexprs, arch=90,
-                      num_warps=rebase.EXPONENT_CONFIGS["values"]["num_warps"], aligned=list(pointers))
+    ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_sequence_exponent_kernel", signature, constexprs,
+                      arch=90, num_warps=rebase.EXPONENT_CONFIGS["values"]["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
@@ -404,7 +415,7 @@ def _gpu_run(kind, len_q, len_k, heads_q, heads_kv, dim, causal, scores="fp8"):
 
 
 # Hopper's FP8 wgmma truncates its sums against the accumulator's magnitude. Each tile's P·V goes
-# into a fresh accumulator (hopper_fwd_ws._consume): accumulated into the running O instead, a V far
+# into a fresh accumulator (sm90_forward._consume): accumulated into the running O instead, a V far
 # from zero mean lost a quarter of O over 16k keys (docs/perf-history.md v21). Within a tile's four
 # k32 steps the truncation is still there: on such a V the error against fp64 is ~1.26x the reference
 # backend's (measured 2026-12-02), where the accuracy policy asks for at most 1.05x.
@@ -516,7 +527,7 @@ def score_scale(q, k, offsets_q, offsets_k, softmax_scale):
 
 def test_pv_key_slot_is_the_operand_order_of_the_gluon_kernel():
     """``layout.pv_key_slot`` (where V^T stores each key) and the bit reorder that turns P's
-    accumulator registers into the P·V operand in ``hopper_fwd_ws._as_pv_operand`` agree: operand
+    accumulator registers into the P·V operand in ``sm90_forward._as_pv_operand`` agree: operand
     column k holds S column c exactly where k = pv_key_slot(c)."""
     columns = torch.arange(128)
     operand_column_source = columns.reshape(2, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(128)
@@ -544,7 +555,7 @@ def test_gluon_descriptors_build_on_the_host():
     e4m3 = torch.float8_e4m3fn
     q, k = torch.zeros(total_q, heads_q, dim, dtype=e4m3), torch.zeros(total_k, heads_kv, dim, dtype=e4m3)
     vt = torch.zeros(heads_kv, dim, 256, dtype=e4m3)
-    descriptors = hopper_fwd_ws._descriptors(q, k, vt, block_n)
+    descriptors = sm90_forward._descriptors(q, k, vt, block_n)
     assert [d.block_shape for d in descriptors] == [[64, dim], [block_n, dim], [dim, block_n]]
 
 
@@ -552,9 +563,9 @@ def test_gluon_descriptors_build_on_the_host():
 def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     """The warp-specialized kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
     wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg)."""
-    config = hopper_fwd_ws.tile_config(dim, scores)
+    config = sm90_forward.tile_config(dim, scores)
     qk = torch.float8_e4m3fn if scores == "fp8" else torch.bfloat16
-    descriptors = hopper_fwd_ws._descriptors(torch.zeros(64, 8, dim, dtype=qk), torch.zeros(128, 2, dim, dtype=qk),
+    descriptors = sm90_forward._descriptors(torch.zeros(64, 8, dim, dtype=qk), torch.zeros(128, 2, dim, dtype=qk),
                                              torch.zeros(2, dim, 128, dtype=torch.float8_e4m3fn), config["BLOCK_N"])
     q_desc, k_desc, vt_desc = (descriptor_type(d) for d in descriptors)
     signature = dict(
@@ -564,7 +575,7 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
     signature.update({name: "constexpr" for name in constexprs})
-    ptx, shared = compile_kernel("jagged_attn.kernels.sm90.hopper_fwd_ws", "_attention_forward_kernel", signature,
+    ptx, shared = compile_kernel("jagged_attn.kernels.sm90.forward", "_attention_forward_kernel", signature,
                                  constexprs, arch=90, gluon=True)
     assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
@@ -584,10 +595,10 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(poisoned, scores, len_q, len
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     options = dict(causal=causal, softmax_scale=dim**-0.5, out_dtype=torch.float32)
-    out, lse = hopper_fwd_ws.attention_forward(mq, mk, mv, scores=scores, **options)
-    config = hopper_fwd.tile_config(dim, scores)
+    out, lse = sm90_forward.attention_forward(mq, mk, mv, scores=scores, **options)
+    config = portable_forward.tile_config(dim, scores)
     rebased_kv = rebase.rebase_kv(mk, mv, config["BLOCK_N"], exact=scores == "bf16")
-    triton_out, triton_lse = hopper_fwd._forward(mq.data, mq, *rebased_kv, offsets_q, offsets_k, config=config,
+    triton_out, triton_lse = portable_forward._forward(mq.data, mq, *rebased_kv, offsets_q, offsets_k, config=config,
                                                  **options)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert relative_l2(out, triton_out) <= 2e-3

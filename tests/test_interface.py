@@ -158,17 +158,18 @@ def test_auto_backend_on_cpu_is_reference():
 def test_kernel_backends_refuse_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(backends, "_interpreting", lambda: False)
     q, k, v, oq, ok = _inputs()
-    for name in ("hopper-exact-scores", "hopper", "block-scaled"):
+    for name in ("hopper-exact-scores", "hopper", "block-scaled", "portable"):
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             ja.jagged_attention(q, k, v, oq, ok, backend=name)
 
 
 def test_backends_pick_the_backward_scores(monkeypatch):
-    """``hopper-exact-scores`` asks hopper_bwd for exact S (bf16 MMA), ``hopper`` for FP8 S, as their forwards."""
-    from jagged_attn.kernels.sm90 import hopper_bwd
+    """``hopper-exact-scores`` asks the Hopper backward for exact S (bf16 MMA), ``hopper`` for FP8 S, as their
+    forwards."""
+    from jagged_attn.kernels.sm90 import backward as sm90_backward
 
     calls = []
-    monkeypatch.setattr(hopper_bwd, "attention_backward", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(sm90_backward, "attention_backward", lambda *args, **kwargs: calls.append(kwargs))
     q, k, v, oq, ok = _inputs()
     for name in ("hopper-exact-scores", "hopper"):
         backends.get_backend(name).backward(q, q, k, v, q, q[..., 0], oq, ok, False, 0.125, False)
@@ -245,8 +246,9 @@ def _bad_calls():
     yield (q, k, v, oq, ok), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"
     yield (q, k, v, oq), {}, ValueError, "offsets_k is required"
     yield (mq, mk, v, None, None), {}, TypeError, "all MXFP8Jagged"
-    yield ((mq, mk, ja.quantize_mxfp8(v, ok), None, None), {"backend": "hopper-exact-scores"}, ValueError,
+    yield ((mq, mk, ja.quantize_mxfp8(v, ok), None, None), {"backend": "portable"}, ValueError,
            "per-token V scales")
+    yield (q, k, v, oq, ok), {"backend": "hopper"}, ValueError, "which the Triton CPU interpreter cannot run"
     yield (q, k, v, oq, ok), {"v_scaling": "channel"}, ValueError, "v_scaling must be one of"
     k_seq = ja.quantize_mxfp8(k, ok, axis="sequence")
     yield (mq, k_seq, mv, None, None), {}, ValueError, "k must be quantized along the feature"
@@ -261,7 +263,7 @@ def _bad_calls():
     yield (q, q, ja.JaggedTensor(q, other), oq, None), {}, ValueError, "v's offsets must equal k's"
     # Head dims a backend's kernels lack: refused before any kernel is compiled.
     wide = _inputs(dim=96)
-    yield wide, {"backend": "hopper-exact-scores"}, ValueError, "supports head_dim in"
+    yield wide, {"backend": "portable"}, ValueError, "supports head_dim in"
     yield wide, {"backend": "block-scaled"}, ValueError, "supports head_dim in"
 
 
@@ -371,7 +373,7 @@ def test_nested_tensors_in_and_out_match_sdpa(heads_first):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend, dtype", [("auto", torch.bfloat16), ("auto", torch.float16), ("auto", torch.float32),
                                             ("hopper", torch.bfloat16), ("hopper", torch.float32),
-                                            ("block-scaled", torch.bfloat16)])
+                                            ("block-scaled", torch.bfloat16), ("portable", torch.bfloat16)])
 def test_gpu_backends_through_the_public_api(backend, dtype):
     """jagged_attention on CUDA (auto = hopper on Hopper): forward, LSE and gradients against the
     reference backend on the same inputs (Gaussian, ragged, cross, causal, GQA), in the inputs' dtype

@@ -249,8 +249,8 @@ def test_fused_layer_rejects_offsets_on_another_device():
 
 
 @pytest.mark.parametrize("backend, qk_norm, cross", [("reference", False, True), ("reference", True, False),
-                                                     ("hopper-exact-scores", False, False),
-                                                     ("hopper-exact-scores", True, True)])
+                                                     ("portable", False, False),
+                                                     ("portable", True, True)])
 def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cross):
     """Same bf16 layer, the producers fused or not: the interpreter's GEMM may round y differently
     from torch's in rare elements, so a few MX values may differ; otherwise every step is the same.
@@ -289,7 +289,7 @@ def test_fused_producers_match_the_plain_path(monkeypatch, backend, qk_norm, cro
             assert relative_l2(g, g_ref) < 6e-2, name
 
 
-@pytest.mark.parametrize("backend", ["reference", "hopper-exact-scores", "hopper"])
+@pytest.mark.parametrize("backend", ["reference", "portable"])
 def test_prequantized_attention_equals_quantizing_inside(backend):
     """Equal MXFP8 operands give bit-identical attention: Q and K quantized beforehand
     (``quantize_mxfp8``, what the producers emit bit for bit) or inside the attention."""
@@ -373,7 +373,7 @@ def test_fused_producers_auto_and_obstacles(monkeypatch):
     offsets = offsets_from_lengths(torch.tensor([3, 40]))
     x = torch.randn(43, 64, dtype=torch.bfloat16)
     calls = _calls_of(monkeypatch, "prequantized_attention_op")
-    JaggedAttention(64, num_heads=2, head_dim=64, backend="hopper-exact-scores", dtype=torch.bfloat16)(x, offsets)
+    JaggedAttention(64, num_heads=2, head_dim=64, backend="portable", dtype=torch.bfloat16)(x, offsets)
     assert not calls  # auto fuses on CUDA only
     assert "fused_producers=None" in repr(JaggedAttention(64, num_heads=2))
     cases = [(dict(), "bfloat16"), (dict(head_dim=96, dtype=torch.bfloat16), "head dim"),
@@ -488,13 +488,13 @@ def test_gpu_layer_step_waits_for_the_device_once(fused, checks, waits):
 
 def test_the_layer_refuses_head_dims_its_backend_lacks():
     """Also on the fused path, which reaches the kernels without ``jagged_attention``'s checks."""
-    layer = JaggedAttention(192, num_heads=2, head_dim=96, backend="hopper-exact-scores", fused_producers=False)
+    layer = JaggedAttention(192, num_heads=2, head_dim=96, backend="portable", fused_producers=False)
     x = torch.randn(40, 192)
     with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 96"):
         layer(x, torch.tensor([0, 15, 40]))
     assert JaggedAttention(192, num_heads=2, head_dim=96, backend="reference")(x, torch.tensor([0, 15, 40])).shape == (
         40, 192)
-    fused = JaggedAttention(64, num_heads=2, head_dim=32, backend="hopper-exact-scores", fused_producers=True,
+    fused = JaggedAttention(64, num_heads=2, head_dim=32, backend="portable", fused_producers=True,
                             center_kv=False, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"supports head_dim in \(64, 128\), got 32"):
         fused(torch.randn(40, 64, dtype=torch.bfloat16), torch.tensor([0, 15, 40]))

@@ -31,7 +31,8 @@ import jagged_attn as ja
 from jagged_attn import cli, mxfp8
 from jagged_attn.kernels.producers.linear_quantize import linear_quantize
 from jagged_attn.kernels.producers.rmsnorm_quantize import rms_norm_quantize
-from jagged_attn.kernels.sm90 import hopper_fwd
+from jagged_attn.kernels.portable import forward as portable_forward
+from jagged_attn.kernels.sm90 import forward as sm90_forward
 from jagged_attn.metrics import relative_l2
 from jagged_attn.mx_format import saturating_cast
 from jagged_attn.offsets import offsets_from_lengths
@@ -42,6 +43,7 @@ CHILD_TIMEOUT_S = 300
 EDGE_LENGTHS = [0, 1, 31, 32, 33, 127, 128, 129, 0, 300]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton kernels run in the interpreter
+FORWARD = sm90_forward if DEVICE == "cuda" else portable_forward  # the forward kernel this machine runs
 
 
 def run_child(code: str, *args, memory_gib: int | None = None) -> str:
@@ -196,8 +198,8 @@ def test_kernels_stay_inside_the_tensors_whatever_the_offsets_hold(device):
     the quantizer unchecked. Every kernel takes its sequence's span from ``layout.sequence_span``
     (forced into the tensor's rows) and every grid sized by a length from ``offsets.max_length(offsets,
     rows)``, so they compute wrong rows at worst and never touch memory outside the tensors (offsets of
-    10^12 read and wrote past them before). CPU: the Triton kernels in the interpreter; CUDA: the Gluon
-    kernels, an out-of-bounds access failing the child at the synchronization."""
+    10^12 read and wrote past them before). CPU: the portable kernels in the interpreter; CUDA: the Hopper
+    and the portable kernels, an out-of-bounds access failing the child at the synchronization."""
     env = "import os; os.environ['TRITON_INTERPRET'] = '1'\n" if device == "cpu" else ""
     assert run_child(env + textwrap.dedent("""
         import sys, torch, jagged_attn as ja
@@ -205,10 +207,13 @@ def test_kernels_stay_inside_the_tensors_whatever_the_offsets_hold(device):
         offsets = torch.tensor([0, 3, 43, 48], device=device)
         leaves = [torch.randn(48, 2, 64, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
         q, k, v = (x.detach() for x in leaves)
-        calls = [lambda: ja.jagged_attention(*leaves, offsets, causal=True, backend="hopper").float().sum().backward(),
-                 lambda: [ja.quantize_mxfp8(x, offsets, axis=axis) for x, axis in ((q, "feature"), (v, "sequence"))],
-                 lambda: ja.jagged_attention(ja.quantize_mxfp8(q, offsets), ja.quantize_mxfp8(k, offsets),
-                                             ja.quantize_mxfp8(v, offsets, axis="sequence"), backend="hopper")]
+        calls = [lambda: [ja.quantize_mxfp8(x, offsets, axis=axis) for x, axis in ((q, "feature"), (v, "sequence"))]]
+        mx = lambda: (ja.quantize_mxfp8(q, offsets), ja.quantize_mxfp8(k, offsets),
+                      ja.quantize_mxfp8(v, offsets, axis="sequence"))
+        for backend in ["hopper", "portable"] if device == "cuda" else ["portable"]:
+            calls += [lambda b=backend: ja.jagged_attention(*leaves, offsets, causal=True, backend=b).float().sum()
+                      .backward(),
+                      lambda b=backend: ja.jagged_attention(*mx(), backend=b)]
         for call in calls:
             call()  # checked here; from now on the offsets are known valid
         for bad in ([0, 60, 2, 48], [0, -100, 10**9, 48], [5, 3, 2, 1], [0, 1, 2, 10**12]):
@@ -245,8 +250,8 @@ def test_outputs_saturate_instead_of_overflowing(dtype, causal):
         q_max = (q.sign() * big).to(dtype)
         assert bool(torch.isfinite(ja.jagged_attention(q_max, q_max, v, offsets, causal=causal)).all())
     for scores in ("bf16", "fp8"):
-        kernel_out, _ = hopper_fwd.attention_forward_hp(q, k, v, offsets, offsets, causal=causal,
-                                                        softmax_scale=q.shape[-1] ** -0.5, scores=scores)
+        kernel_out, _ = FORWARD.attention_forward_hp(q, k, v, offsets, offsets, causal=causal,
+                                                     softmax_scale=q.shape[-1] ** -0.5, scores=scores)
         assert bool(torch.isfinite(kernel_out).all())
         torch.testing.assert_close(kernel_out, out, rtol=2.0**-7 if dtype == torch.bfloat16 else 1e-2, atol=0)
 

@@ -25,16 +25,16 @@ P_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
 
 
 def pv_key_slot(key):
-    """Column of a key (its index within a 128-key tile) in the V^T copy that ``hopper_fwd_ws``
+    """Column of a key (its index within a 128-key tile) in the V^T copy that ``sm90.forward``
     reads: key bits 1, 2, 3 move to 2, 3, 1. In that order the registers of P as the S wgmma's
     accumulator are, unchanged, the A operand of the P·V wgmma (no shuffles). The map stays
     inside each 16-key group, so it serves any multiple of 16 keys as reduction: the backward
-    (``hopper_bwd_ws``) stores its 64-token Q^T and dO^T tiles in this order too."""
+    (``sm90.backward``) stores its 64-token Q^T and dO^T tiles in this order too."""
     return (key & ~0xE) | ((key & 0x2) << 1) | ((key & 0x4) << 1) | ((key >> 2) & 0x2)
 
 
 def ds_key_slot(key):
-    """Column of a key in the K^T copy that ``hopper_bwd_ws``'s dQ wgmmas read: key bit 3 moves to
+    """Column of a key in the K^T copy that ``sm90.backward``'s dQ wgmmas read: key bit 3 moves to
     bit 0, bits 0-2 to 1-3 (inside each 16-key group). A thread holds keys r and r + 8 of each 16
     of dS^T (a wgmma accumulator, keys as rows); in this order they are adjacent bytes of dS's
     key-contiguous rows (FP8 wgmma reads only K-major operands), so the consumers store dS two bytes

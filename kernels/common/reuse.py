@@ -2,7 +2,7 @@
 
 Some launch inputs depend only on tensors a caller passes again and again: the work lists and tile
 tables built from a batch's offsets (every layer of a model shares one offsets tensor) and the
-Hopper forms of MXFP8 operands quantized once and attended many times (``rebase.py``). :func:`derived`
+Hopper forms of MXFP8 operands quantized once and attended many times (``producers/rebase.py``). :func:`derived`
 returns the value built for the same source tensors before, if each source is still the same object
 at the same version counter, else builds and keeps it.
 

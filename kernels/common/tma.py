@@ -1,4 +1,4 @@
-"""Host-side TMA descriptors shared by the Gluon kernels (``hopper_fwd_ws``, ``hopper_bwd_ws``)."""
+"""Host-side TMA descriptors shared by the Gluon kernels (``sm90.forward``, ``sm90.backward``)."""
 from __future__ import annotations
 
 import torch

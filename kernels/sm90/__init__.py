@@ -1,3 +1,3 @@
-"""Hopper (sm_90) attention, backends ``hopper`` and ``hopper-exact-scores``: the forward
-(``hopper_fwd``, its warp-specialized Gluon kernel ``hopper_fwd_ws``), the backward (``hopper_bwd``,
-Gluon ``hopper_bwd_ws``) and the rebasing passes that fold the MX scales outside ``wgmma`` (``rebase``)."""
+"""Hopper (sm_90) attention in Gluon, warp-specialized, every GEMM an FP8 (or, for the exact S and dP
+of ``hopper-exact-scores``, bf16) wgmma: the forward (``forward``) and the backward (``backward``),
+on the operands the rebasing producers make (``producers.rebase``, ``producers.backward_passes``)."""

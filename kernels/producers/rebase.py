@@ -1,4 +1,4 @@
-"""Rebasing MXFP8 operands for Hopper's FP8 wgmma, which has no block-scaled MMA.
+"""Rebasing MXFP8 operands for FP8 MMAs without block scales (Hopper's wgmma, the portable kernels' dots).
 
 A GEMM can only factor a scale out of its fp32 result if the scale is constant along the
 reduction (docs/DESIGN.md section 6). So each operand is re-expressed on one exponent per
@@ -44,7 +44,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from ..common import fp8, layout, reuse
-from ..producers.quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
+from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
 # One padded slot: whole MX blocks (sequence-axis blocks never straddle programs), one whole key tile (PV_KEY_BITS).

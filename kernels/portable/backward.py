@@ -1,46 +1,18 @@
-"""Varlen MXFP8 attention backward for Hopper (sm_90): FlashAttention-2 dataflow in Triton.
+"""Varlen MXFP8 attention backward in plain Triton: FlashAttention-2 dataflow, the ``portable`` backend.
 
 Dataflow (docs/DESIGN.md section 3), recomputing P from the forward's LSE:
 ``Delta = rowsum(dO * O)``; ``P = exp(S - LSE)``; ``dV = P^T dO``; ``dP = dO V^T``;
 ``dS = P * (dP - Delta)``; ``dQ = dS K * scale``; ``dK = dS^T Q * scale``.
 
-Scales on Hopper (docs/DESIGN.md section 6). FP8 wgmma has no block-scaled mode, so every operand's
-scale is kept constant along the reduction of the GEMM that reads it and applied outside it:
-
-* head_dim axis (Q, K for S; dO, V for dP): one scale per token, i.e. the spec's 32-wide MX
-  blocks rebased to the token's largest block exponent. The inputs are high precision, so we
-  quantize with that exponent directly (one rounding instead of two). The per-row and
-  per-column factors multiply the fp32 S / dP tiles.
-* sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and
-  dO shared by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to
-  the sequence's largest exponent. It is constant along the whole dK / dV / dQ reduction, so
-  the MMAs chain in their accumulators and the scale is applied once in the epilogue. So that
-  tokens of small norm keep their precision, the Q and K copies are first divided by each
-  token's head_dim scale, and that scale is folded into dS instead (dS times the query's and
-  the key's token scales is what gets quantized; dQ rows and dK rows divide it back out). These
-  copies are stored transposed, ``[heads, D, padded_total]`` with sequence ``b`` at padded row
-  ``padded_seq_start``, so that the sequence axis is contiguous (K-major), as FP8 wgmma needs
-  for both operands. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there (the
-  placement rule guarantees it); the producer writes them in full, zeros past the end, so the
-  kernels read these tiles without masks.
-* P: the static 2^8 scale. dS: one scale per kernel tile (the spec's 32x32 tiles rebased to a
-  common exponent; the same bytes serve dS for dQ and dS^T for dK), taken as the running
-  maximum over the tiles a program has reduced so far: the accumulator is rescaled by an exact
-  power of two <= 1 when the maximum grows, never overflows, and tiles far below the maximum
-  (whose contribution is as far below) are quantized on its grid.
-
-Kernels: a memory-bound producer in two passes per tensor (``bwd_passes``; for dO the second pass
-emits both layouts, Delta and the LSE in log2 units at once); the main kernel (:func:`_dkdv_kernel`,
-one program per (key tile, sequence, KV head), looping over the query heads of its GQA group and
-their query tiles, accumulating dK and dV in registers and, by default, adding dQ tiles into an fp32
-buffer with TMA bulk reduce-adds); and for ``deterministic=True`` a separate dQ kernel
-(:func:`_dq_kernel`). On GPUs ``hopper_bwd_ws``'s warp-specialized Gluon kernel runs instead of
-:func:`_dkdv_kernel` (producers storing the sequence-axis copies in the token orders it reads; its
-dQ sums scaled by ``bwd_passes.finish_dq``), by default on bf16 copies of Q, K, V and dO's MX values
-so that S and dP are exact (``scores="bf16"``): FP8 wgmma keeps ~13 bits when it accumulates, which
-on heavy-tailed or outlier inputs moves S, and through P and dS the gradients, by 3e-2 to 2e-1
-(docs/perf-history.md, v6), and through dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3
-(v7, v8); the Triton kernels run in the CPU interpreter (CI).
+The operands and their scales are the producers' (``producers.backward_passes``: per-token scales on
+the feature axis, per-(sequence, channel) scales on the sequence axis, P on the static 2^8 scale, dS on
+a running per-program scale), as the Hopper kernel reads them. Kernels: the main kernel
+(:func:`_dkdv_kernel`, one program per (key tile, sequence, KV head), looping over the query heads of
+its GQA group and their query tiles, accumulating dK and dV in registers and, by default, adding dQ
+tiles into an fp32 buffer, by TMA bulk reduce-adds where the GPU has TMA); and for
+``deterministic=True`` a separate dQ kernel (:func:`_dq_kernel`, which the Hopper backward launches
+too). One program per tile and no warp specialization: this is what the CPU interpreter runs (CI) and
+what runs on GPUs without a Gluon kernel of ours (sm_89: e4m3 ``mma.sync``).
 """
 
 from __future__ import annotations
@@ -51,7 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import bounds, fp8
-from . import bwd_passes, hopper_bwd_ws
+from ..producers import backward_passes
 from ..common.layout import (
     LOG2E,
     P_SCALE,
@@ -203,7 +175,7 @@ def _dkdv_kernel(
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
-    Layouts as written by ``bwd_passes``' producers: natural e4m3 ``[total, H, D]`` with fp32
+    Layouts as written by ``backward_passes``' producers: natural e4m3 ``[total, H, D]`` with fp32
     per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
     ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
@@ -358,39 +330,22 @@ def _dq_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-# The dQ kernel's own tile shape on the GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
+# The deterministic dQ kernel's tiles on a GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
 GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+INTERPRETER_TILES = dict(block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4, num_stages=1)
 
 
-# The Triton dK/dV kernel's GPU-tuned tiles (kernel="triton" on a GPU: slower than the Gluon kernel,
-# and its FP8 S misses the accuracy bar on outlier channels, docs/perf-history.md).
-GPU_TRITON_CONFIG = dict(kernel="triton", block_m=64, block_n=128, precise_scores=True, tma_reduce=True, num_warps=8,
-                         num_stages=3)
-KERNELS = ("triton", "gluon")
-SCORE_MODES = ("bf16", "fp8")
+def tile_config(device: torch.device) -> dict:
+    """The dK/dV kernel's tiles on ``device``. On CUDA the GPU-tuned ones, dQ's tiles added by TMA
+    reduce-adds where the GPU has TMA (sm_90 and newer), by atomics below; in the CPU interpreter small
+    tiles (its FP8 dots are exact there, so precise scores are moot)."""
+    if device.type != "cuda":
+        return dict(INTERPRETER_TILES)
+    tma = torch.cuda.get_device_capability(device)[0] >= 9
+    return dict(block_m=64, block_n=128, precise_scores=True, tma_reduce=tma, num_warps=8, num_stages=3)
 
 
-def _default_config(device: torch.device, kernel: str | None = None, scores: str = "bf16") -> dict:
-    """The kernel and its configuration for ``device``: on CUDA the Gluon kernel (``kernel`` None or
-    "gluon"; S and dP exact from bf16 copies of Q, K, V and dO with ``scores="bf16"``, from FP8
-    wgmma with "fp8")
-    or the Triton kernel's GPU tiles ("triton"); in the CPU interpreter, which cannot run Gluon
-    kernels, the Triton kernel with small tiles (its FP8 dots are exact there: ``scores`` moot)."""
-    if kernel not in (None, *KERNELS):
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if scores not in SCORE_MODES:
-        raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
-    if device.type == "cuda":
-        if kernel == "triton":
-            return dict(GPU_TRITON_CONFIG)
-        return dict(kernel="gluon", exact_scores=scores == "bf16")
-    if kernel == "gluon":
-        raise ValueError(f"the Gluon backward runs on CUDA devices only, got {device}")
-    return dict(kernel="triton", block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4,
-                num_stages=1)
-
-
-def _check_inputs(dout, q, k, v, out, lse, dlse):
+def check_inputs(dout, q, k, v, out, lse, dlse):
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
             f"expected q/dout/out [total_q, Hq, D] and k/v [total_k, Hkv, D], got q {tuple(q.shape)}, "
@@ -431,7 +386,7 @@ def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_re
 
 
 def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
-    """dQ by the deterministic kernel."""
+    """dQ by the deterministic kernel, with the given tiles."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     _dq_kernel[(triton.cdiv(prep.max_len_q, block_m) * prep.batch, prep.heads_q)](
         q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
@@ -441,49 +396,31 @@ def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
     )
 
 
-def _gluon_backward_into(dq, dk, dv, prep, *, causal, softmax_scale, deterministic):
-    """:func:`_backward_into` with ``hopper_bwd_ws``'s kernel for dK, dV (and dQ unless deterministic)."""
-    if prep.total_k > 0:
-        # BLOCK_M spare rows: the kernel adds its dQ tiles unmasked; rows past a sequence add zeros.
-        # Deterministic, it adds none: one tile for the buffer's descriptor, not total_q zeroed rows.
-        rows = hopper_bwd_ws.BLOCK_M.value + (0 if deterministic else prep.total_q)
-        dq_accum = torch.zeros(rows, prep.heads_q, prep.dim, dtype=torch.float32, device=dq.device)
-        hopper_bwd_ws.launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal,
-                             accumulate_dq=not deterministic)
-    if prep.total_q == 0:
-        return
-    if deterministic:
-        _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, precise_scores=True, **GPU_DQ_TILES)
-    elif prep.total_k > 0:
-        bwd_passes.finish_dq(dq_accum, prep, dq, softmax_scale)
-    else:
-        dq.zero_()
+def launch_deterministic_dq(prep, dq, *, softmax_scale: float, causal: bool) -> None:
+    """dQ into ``dq`` by the deterministic kernel: one program per query tile, its key tiles in order, S and
+    dP recomputed from ``prep``'s copies (K^T in natural order); bit-identical from run to run."""
+    tiles = dict(GPU_DQ_TILES, precise_scores=True) if dq.is_cuda else dict(INTERPRETER_TILES)
+    tiles.pop("tma_reduce", None)
+    _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, **tiles)
 
 
-def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal, softmax_scale,
-                   deterministic, kernel="triton", dlse=None, **config):
-    """Write dQ, dK, dV into the given (possibly poisoned) buffers; see :func:`attention_backward`.
-    ``kernel``: "gluon" (``hopper_bwd_ws``; ``config`` only ``exact_scores``) or "triton" (tile ``config``)."""
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
+                  deterministic: bool = False, dlse=None, tiles: dict | None = None) -> None:
+    """:func:`attention_backward` writing dQ, dK, dV into the given buffers (q's, k's and v's shapes
+    and dtypes), every element of them."""
     if offsets_q.numel() == 1:
         return
-    if kernel == "gluon":
-        exact_scores = config.pop("exact_scores", True)
-        if config:
-            raise ValueError(f"the Gluon kernel takes no tile configuration, got {sorted(config)}")
-        prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact_scores,
-                                   dlse=dlse, **bwd_passes.gluon_preparation(deterministic))
-        _gluon_backward_into(dq, dk, dv, prep, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
-        return
-    prep = bwd_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse)
-    tma_reduce = config.pop("tma_reduce")  # how dK/dV's kernel adds dQ; the deterministic dQ kernel adds none
-    launch = dict(softmax_scale=softmax_scale, causal=causal, **config)
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse)
+    tiles = dict(tile_config(q.device) if tiles is None else tiles)
+    tma_reduce = tiles.pop("tma_reduce")
     if prep.total_k > 0:
-        dq_accum = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _launch_dkdv(prep, dq_accum, dk, dv, accumulate_dq=not deterministic, tma_reduce=tma_reduce, **launch)
+        dq_accum = dq if deterministic else torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        _launch_dkdv(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal,
+                     accumulate_dq=not deterministic, tma_reduce=tma_reduce, **tiles)
     if prep.total_q == 0:
         return
     if deterministic:
-        _launch_dq(prep, dq, **dict(launch, **GPU_DQ_TILES) if q.is_cuda else launch)
+        launch_deterministic_dq(prep, dq, softmax_scale=softmax_scale, causal=causal)
     elif prep.total_k > 0:
         dq.copy_(dq_accum)
     else:
@@ -491,8 +428,8 @@ def _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *,
 
 
 def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
-                       deterministic: bool = False, scores: str = "bf16", kernel: str | None = None, dlse=None):
-    """dQ, dK, dV of varlen MXFP8 attention (docs/DESIGN.md section 3 dataflow, Hopper scale handling).
+                       deterministic: bool = False, dlse=None, tiles: dict | None = None):
+    """dQ, dK, dV of varlen MXFP8 attention (docs/DESIGN.md section 3 dataflow).
 
     dout, q, out: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``, high precision (fp32, bf16
     or fp16); lse: float32 ``[total_q, Hq]``, natural log, -inf for rows that see no key; dlse: None or
@@ -500,24 +437,15 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     kernel reads Delta from);
     offsets_q / offsets_k: int32 or int64 ``[B + 1]``. Causal is bottom-right aligned; D is 64
     or 128; ``Hq % Hkv == 0`` (dK, dV summed over each KV head's query-head group). Returns
-    (dq, dk, dv) in the inputs' dtypes.
-
-    On GPUs the warp-specialized Gluon kernel (``hopper_bwd_ws``) runs: with ``scores="bf16"``
-    S and dP come from bf16 MMAs on the MX values of Q, K, V and dO (exact), with "fp8" from FP8
-    wgmma (~13-bit accumulation): gradients within 5e-3 of the reference backend on all four input
-    kinds of the tests with "bf16", 1.5e-2 to 2e-1 on heavy-tailed and outlier inputs with "fp8"
-    (docs/perf-history.md, v6-v13; speed: docs/PERF.md). ``kernel="triton"`` runs the slower Triton
-    kernel there instead; the CPU interpreter runs it.
+    (dq, dk, dv) in the inputs' dtypes. ``tiles``: the dK/dV kernel's (default :func:`tile_config`).
 
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
-    reduce-adds on the GPU, atomics in the interpreter; the order varies run to run).
-    ``deterministic=True`` computes dQ in a separate Triton kernel per query tile that loops over
-    its key tiles in order (S and dP from the same copies, so exact with ``scores="bf16"``):
+    reduce-adds on sm_90+, atomics elsewhere; the order varies run to run). ``deterministic=True``
+    computes dQ in a separate kernel per query tile that loops over its key tiles in order:
     bit-identical results, at the price of recomputing S and dP there (docs/perf-history.md, v8).
     """
-    _check_inputs(dout, q, k, v, out, lse, dlse)
+    check_inputs(dout, q, k, v, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                   softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse,
-                   **_default_config(q.device, kernel, scores))
+    backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                  softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse, tiles=tiles)
     return dq, dk, dv

@@ -1,8 +1,8 @@
-"""Varlen MXFP8 attention forward for Hopper (sm_90): FP8 wgmma on rebased operands.
+"""Varlen MXFP8 attention forward in plain Triton (backend ``portable``): FP8 MMAs on rebased operands.
 
-Hopper's FP8 MMA has no block scales, so the operands are rebased (``rebase.py``): Q to one
-exponent per token (by each program, on its own Q tile), K to one per KV tile, V to one per
-(sequence, head, channel), stored transposed so both wgmma operands are K-major. Those factors
+FP8 MMAs without block scales (Hopper's and Ada's) need the operands rebased (``producers.rebase``): Q
+to one exponent per token (by each program, on its own Q tile), K to one per KV tile, V to one per
+(sequence, head, channel), stored transposed so both MMA operands are K-major. Those factors
 leave the MMAs: Q's per-row and K's per-tile factors fold into the softmax scale of each row,
 V's scale each output channel in the epilogue. (A per-key factor would cost a broadcast column
 vector, ~32 registers per thread, and spilled at 128x128 tiles.)
@@ -15,12 +15,9 @@ not rounded to an integer).
 
 One program computes one (query tile, head): KV tiles that every row of the tile sees run
 without masks, the diagonal (causal) and ragged-end tiles with them. Programs are launched in
-the longest-first order of ``schedule.work_list``.
-
-On a GPU, ``attention_forward(_hp)`` run the warp-specialized Gluon version of this algorithm
-(``hopper_fwd_ws``: same operands, same softmax, 1.1x this kernel at d128, 1.6x with exact S,
-docs/perf-history.md) for the S modes and head dims it has; this Triton kernel is what the CPU
-interpreter executes (CI) and serves the other configurations.
+the longest-first order of ``schedule.work_list``. No warp specialization: this is what the CPU interpreter runs
+(CI) and what runs on GPUs without a Gluon kernel of ours (sm_89: e4m3 ``mma.sync``); on Hopper the
+``sm90.forward`` kernel runs the same algorithm warp-specialized.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ import triton.language as tl
 from jagged_attn.mxfp8 import MXFP8Jagged, checked_after, largest_magnitudes
 
 from ..common import bounds, fp8, layout
-from . import hopper_fwd_ws
-from .rebase import (
+from ..producers.rebase import (
     dequantized_feature_rows,
     kept_rebase_kv,
     quantize_rebase_kv,
@@ -43,7 +39,7 @@ from .rebase import (
 from ..common.schedule import work_list
 
 SCORE_MODES = ("fp8", "bf16")
-HEAD_DIMS = hopper_fwd_ws.HEAD_DIMS  # the GPU kernel's; the Triton kernel serves the interpreter at those too
+HEAD_DIMS = (64, 128)
 FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
 
 
@@ -300,9 +296,6 @@ def attention_forward(
     ``rebase.kept_rebase_kv``); Q is rebased inside the kernel. ``scores`` picks how S is computed
     (:func:`tile_config`).
     """
-    if hopper_fwd_ws.runs_on(q.data, scores):
-        return hopper_fwd_ws.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                               out_dtype=out_dtype, scores=scores)
     config = tile_config(q.head_dim, scores)
     rebased_kv = kept_rebase_kv(k, v, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
     return _forward(
@@ -325,10 +318,6 @@ def attention_forward_hp(
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel. With
     ``check_finite``, ValueError for NaN/Inf in q, k or v, read once the kernels are queued."""
-    if hopper_fwd_ws.runs_on(q, scores):
-        return hopper_fwd_ws.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal,
-                                                  softmax_scale=softmax_scale, out_dtype=out_dtype, scores=scores,
-                                                  check_finite=check_finite)
     config = tile_config(q.shape[-1], scores)
     flags = torch.zeros(2, dtype=torch.float32, device=k.device) if check_finite else None  # k, v
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",

@@ -22,15 +22,15 @@ shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.p
 order (the forward's trick for V^T, here along queries). dK's wgmma starts from a zero accumulator
 each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which biases
 small steps against a large running sum); dV chains (measured accurate enough, and registers are
-short). dQ's fp32 partials are added in L2, in units that ``hopper_bwd``'s dQ pass scales.
+short). dQ's fp32 partials are added in L2, in units that ``backward_passes.finish_dq`` scales.
 
 S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
 (``exact_scores``, the default: fp32 accumulation, so S and dP are exact, with no token scales
 left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
 outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md v6-v8).
-Operands, scales and their folding are exactly those of ``hopper_bwd`` (its docstring and
-producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
+Operands, scales and their folding are those of ``producers.backward_passes`` (its docstring
+and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
 scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
@@ -44,6 +44,7 @@ each over its own keys, was measured slower still: their chains are latency-boun
 then lengthen each of them (docs/perf-history.md v11-v13, v26; speed: docs/PERF.md).
 """
 
+import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -62,6 +63,8 @@ from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon d
 from ..common import bounds, layout
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
+from ..portable.backward import check_inputs, launch_deterministic_dq
+from ..producers.backward_passes import DO_FACTOR, P_LSE2, Q_DELTA, Q_FACTOR, ROW_VECTORS, Prepared, finish_dq
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
@@ -69,11 +72,6 @@ BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per pr
 BLOCK_M = gl.constexpr(64)  # queries per stage
 QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.value.bit_length() - 1))
 KEY_DIMS = gl.constexpr(layout.key_order_dims(layout.ds_key_slot, KEYS_PER_CONSUMER.value.bit_length() - 1))
-# Per-query vectors a stage holds next to its tiles (row_smem rows stage * ROW_VECTORS + these): Q's
-# token scale q; P_LSE2 = lse2 - log2(P_SCALE), so that exp2(logits - P_LSE2) is P * P_SCALE; dO's
-# token scale (FP8 scores only: neither written nor read on the exact path); Q_DELTA = q * Delta.
-Q_FACTOR, P_LSE2, DO_FACTOR, Q_DELTA = (gl.constexpr(i) for i in range(4))
-ROW_VECTORS = gl.constexpr(4)
 DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes, the widest swizzled TMA box
 # dQ chains consumer 0's product (|sum| < 64 * 448^2 < 2^24) times scale0 / scale1 into one fp32
 # accumulator, so that ratio must stay below 2^100. Only when consumer 1's dS scale is below 2^-100
@@ -87,6 +85,7 @@ MAX_SCALE_RATIO = gl.constexpr(2.0**100)
 # reach 2^96 (~8e28) before it does.
 DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
 HEAD_DIMS = (64, 128)
+SCORE_MODES = ("bf16", "fp8")  # how S and dP are computed: exact from bf16 wgmma, or FP8 wgmma
 # A [1] tensor whose one value every thread holds (scalars through shared memory).
 EVERY_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
@@ -382,7 +381,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
         k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
         v_factor = gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
-    # token scales (hopper_bwd) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
+    # token scales (backward_passes) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
     k_ds_factor = k_factor * (1.0 / layout.P_SCALE)
     diagonal = bounds.diagonal(len_q, len_k)
     # Steps whose query tile some key of the program does not see (causal), or all of them
@@ -446,7 +445,7 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
         p8 = _as_query_operand(p.to(gl.float8e4nv), a_layout)
         # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
         # the dQ warpgroup starts earlier.
-        if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (hopper_bwd's dQ pass)
+        if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
             _share_ds(ds8, ds_byte, exchange, i, CONSUMER)
 
         dot_view = stages.dot.index(stage).permute((1, 0))
@@ -581,12 +580,12 @@ def _attention_backward_kernel(
 
 def _padded_row_vectors(prep) -> TensorDescriptor:
     """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``DO_FACTOR``, ``Q_DELTA``) as the producers wrote
-    them (``bwd_passes.Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
+    them (``backward_passes.Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
     sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read ``BLOCK_M`` at a
     time (TMA needs a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
     if prep.rows is None:
         raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: "
-                         "bwd_passes.Prepared(row_vectors=True)")
+                         "backward_passes.Prepared(row_vectors=True)")
     flat = prep.rows.view(-1)
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value],
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
@@ -617,7 +616,7 @@ def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumu
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
     ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang);
     without ``accumulate_dq`` it is never touched (``[BLOCK_M, Hq, D]`` serves its descriptor).
-    ``prep`` is ``hopper_bwd``'s producer output, made with ``query_order=PV_ORDER`` and, with
+    ``prep`` is the producers' output (:class:`Prepared`), made with ``query_order=PV_ORDER`` and, with
     ``accumulate_dq``, ``key_order=DS_ORDER`` (``layout``'s token orders)."""
     if prep.query_order != layout.PV_ORDER or (accumulate_dq and prep.key_order != layout.DS_ORDER):
         raise ValueError("the Gluon kernel reads Q^T and dO^T in PV_ORDER and, for dQ, K^T in DS_ORDER; "
@@ -633,3 +632,55 @@ def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumu
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
         num_warps=4, **tile_config(prep.dim),
     )
+
+
+def preparation(deterministic: bool = False) -> dict:
+    """What :class:`Prepared` makes for this kernel: Q^T and dO^T in ``PV_ORDER``, K^T in ``DS_ORDER``
+    (natural order when deterministic: the portable dQ kernel reads it then, this kernel not), and the
+    padded per-query vectors."""
+    key_order = layout.NATURAL_ORDER if deterministic else layout.DS_ORDER
+    return dict(query_order=layout.PV_ORDER, key_order=key_order, row_vectors=True)
+
+
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
+                  deterministic: bool = False, scores: str = "bf16", dlse=None) -> None:
+    """:func:`attention_backward` writing dQ, dK, dV into the given buffers (q's, k's and v's shapes
+    and dtypes), every element of them."""
+    if scores not in SCORE_MODES:
+        raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
+    if offsets_q.numel() == 1:
+        return
+    prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=scores == "bf16", dlse=dlse,
+                    **preparation(deterministic))
+    if prep.total_k > 0:
+        # BLOCK_M spare rows: the kernel adds its dQ tiles unmasked; rows past a sequence add zeros.
+        # Deterministic, it adds none: one tile for the buffer's descriptor, not total_q zeroed rows.
+        rows = BLOCK_M.value + (0 if deterministic else prep.total_q)
+        dq_accum = torch.zeros(rows, prep.heads_q, prep.dim, dtype=torch.float32, device=dq.device)
+        launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal, accumulate_dq=not deterministic)
+    if prep.total_q == 0:
+        return
+    if deterministic:
+        launch_deterministic_dq(prep, dq, softmax_scale=softmax_scale, causal=causal)
+    elif prep.total_k > 0:
+        finish_dq(dq_accum, prep, dq, softmax_scale)
+    else:
+        dq.zero_()
+
+
+def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
+                       deterministic: bool = False, scores: str = "bf16", dlse=None):
+    """dQ, dK, dV of varlen MXFP8 attention on a Hopper GPU; the arguments and results of
+    ``portable.backward.attention_backward``.
+
+    ``scores="bf16"``: S and dP from bf16 wgmmas on the MX values of Q, K, V and dO (exact, fp32
+    accumulation); "fp8": from FP8 wgmma (~13-bit accumulation; gradients 1.5e-2 to 2e-1 from the
+    reference backend on heavy-tailed and outlier inputs, docs/perf-history.md v6-v13). dQ's partials
+    are added into an fp32 buffer by TMA reduce-adds (the order varies run to run) and scaled by
+    ``backward_passes.finish_dq``; ``deterministic=True`` leaves dQ to the portable deterministic
+    kernel (bit-identical results, S and dP recomputed there)."""
+    check_inputs(dout, q, k, v, out, lse, dlse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                  softmax_scale=softmax_scale, deterministic=deterministic, scores=scores, dlse=dlse)
+    return dq, dk, dv

@@ -6,11 +6,11 @@ run S = Q K^T, the online softmax and O += P V on them. The consumers share ever
 the shared-memory traffic of two 64-row programs) and, not being tied by block-wide barriers,
 one's softmax runs while the other's MMAs do.
 
-Operands are those of ``hopper_fwd`` (``rebase.py``), Q rebased beforehand like K but per token:
+Operands are the portable forward's (``producers.rebase``), Q rebased beforehand like K but per token:
 with SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they
 are their exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA rate). V^T is e4m3
 ``[Hkv, D, padded_total]`` on one exponent per (sequence, head, channel). The softmax follows
-``hopper_fwd``: exp2 domain, row maximum rounded up to an integer, P on the static 2^8 scale.
+``portable.forward``'s: exp2 domain, online row maximum, P on the static 2^8 scale.
 """
 
 import torch
@@ -29,7 +29,7 @@ from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon d
 from jagged_attn.mxfp8 import checked_after
 
 from ..common import bounds, fp8, layout
-from .rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
+from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
@@ -333,15 +333,10 @@ def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q
     return out, lse
 
 
-def runs_on(x: torch.Tensor, scores: str) -> bool:
-    """Whether this kernel serves ``hopper_fwd``'s call: CUDA tensors (the Triton kernel of
-    ``hopper_fwd`` is the one the CPU interpreter runs), S mode and head_dim it was tuned for."""
-    return x.is_cuda and scores in SCORE_MODES and x.shape[-1] in HEAD_DIMS
-
-
 def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16, scores="fp8"):
-    """``hopper_fwd.attention_forward`` (MXFP8Jagged q, k on the feature axis, v on the sequence axis);
-    the rebased operands are kept for the next call on the same inputs (``rebase.kept_rebase_kv``)."""
+    """Jagged attention of MXFP8 inputs on a Hopper GPU: the arguments and results of
+    ``portable.forward.attention_forward``. The rebased operands are kept for the next call on the same
+    inputs (``rebase.kept_rebase_kv``)."""
     config = tile_config(q.head_dim, scores)
     exact = scores == "bf16"
     rebased_q = kept_rebase_feature(q, group=1, exact=exact)
@@ -352,8 +347,9 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
 
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
                          scores="fp8", check_finite=False):
-    """``hopper_fwd.attention_forward_hp`` (bf16/fp16 q, k, v, each quantized and rebased in one pass,
-    which with ``check_finite`` also flag NaN/Inf in them for the check)."""
+    """Like :func:`attention_forward` for bf16/fp16 q, k, v (``portable.forward.attention_forward_hp``'s
+    arguments), each quantized and rebased in one pass, which with ``check_finite`` also flags NaN/Inf in
+    them for the check."""
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
     flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v

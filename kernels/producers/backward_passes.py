@@ -1,13 +1,35 @@
-"""The Hopper backward's per-slot passes around its attention kernels (Triton, 128-token slots of
-the ``schedule.slot_tiles`` table, heads fastest): the producers before them and dQ's finish after.
+"""The backward's per-slot passes around its attention kernels (Triton, 128-token slots of the
+``schedule.slot_tiles`` table, heads fastest): the producers before them and dQ's finish after; the
+Hopper (``sm90.backward``) and portable (``portable.backward``) kernels read the same operands.
+
+Scales (docs/DESIGN.md section 6). The MMAs have no block-scaled mode, so every operand's scale is
+kept constant along the reduction of the GEMM that reads it and applied outside it:
+
+* head_dim axis (Q, K for S; dO, V for dP): one scale per token, i.e. the spec's 32-wide MX blocks
+  rebased to the token's largest block exponent. The inputs are high precision, so they are quantized
+  with that exponent directly (one rounding instead of two). The per-row and per-column factors
+  multiply the fp32 S / dP tiles.
+* sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and dO shared
+  by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to the sequence's
+  largest exponent. It is constant along the whole dK / dV / dQ reduction, so the MMAs chain in their
+  accumulators and the scale is applied once in the epilogue. So that tokens of small norm keep their
+  precision, the Q and K copies are first divided by each token's head_dim scale, and that scale is
+  folded into dS instead (dS times the query's and the key's token scales is what gets quantized; dQ
+  rows and dK rows divide it back out). These copies are stored transposed, ``[heads, D,
+  padded_total]`` with sequence ``b`` at padded row ``padded_seq_start``, so that the sequence axis is
+  contiguous (K-major), as FP8 MMAs need for both operands, with the tokens of each slot in a
+  ``layout`` token order. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there; the
+  producer writes them in full, zeros past the end, so the kernels read these tiles without masks.
+* P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
+  a program has reduced so far: the accumulator is rescaled by an exact power of two <= 1 when the
+  maximum grows, never overflows, and tiles far below the maximum (whose contribution is as far below)
+  are quantized on its grid.
 
 The producers (:func:`quantize_for_backward`, two passes per tensor: :func:`_sequence_amax_kernel`,
-then :func:`_quantize_kernel`) round Q, K, V and dO onto the scales ``hopper_bwd``'s docstring
-describes: one per token on the feature axis, one per (sequence, channel) on the sequence axis (Q's
-and K's sequence copies divided by each token's own scale first), the sequence copies transposed in
-a ``layout`` token order; dO's pass also forms Delta and the LSE in log2 units, and, for the Gluon
-kernel, the padded per-query vectors. :class:`Prepared` runs them for one backward call.
-:func:`finish_dq` turns the Gluon kernel's fp32 dQ sums into dQ.
+then :func:`_quantize_kernel`) write those copies; dO's pass also forms Delta and the LSE in log2
+units, and, for the Hopper kernel, the padded per-query vectors (``ROW_VECTORS`` of them).
+:class:`Prepared` runs them for one backward call. :func:`finish_dq` turns the Hopper kernel's fp32
+dQ sums into dQ.
 """
 
 from functools import cached_property
@@ -20,10 +42,8 @@ from jagged_attn.offsets import max_length, padded_total
 
 from ..common import fp8
 from ..common.layout import (
-    DS_ORDER,
     LOG2E,
     NATURAL_ORDER,
-    PV_ORDER,
     P_STATIC_EXP,
     fold_max,
     padded_seq_start,
@@ -34,7 +54,6 @@ from ..common.layout import (
     store_sequence_copy,
 )
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
-from . import hopper_bwd_ws
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 # Warps of the producer's two passes and of the dQ finish pass, the fastest measured (four each against
@@ -46,6 +65,12 @@ AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
 PRODUCER_CHUNK = 64
 FINISH_DQ_WARPS = 8
+# The Hopper kernel's per-query vectors, rows of one flat fp32 [ROW_VECTORS, H, padded] buffer
+# (Prepared(row_vectors=True)): Q's token scale q; P_LSE2 = lse2 - log2(P_SCALE), so that
+# exp2(logits - P_LSE2) is P * P_SCALE; dO's token scale (FP8 scores only: neither written nor read on
+# the exact path); Q_DELTA = q * Delta.
+Q_FACTOR, P_LSE2, DO_FACTOR, Q_DELTA = (tl.constexpr(i) for i in range(4))
+ROW_VECTORS = tl.constexpr(4)
 
 
 @triton.jit
@@ -108,7 +133,7 @@ def _quantize_kernel(
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
     out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
-    rows_ptr,  # fp32 [vectors, H, padded]: per-query vectors in padded slots (the Gluon kernel's)
+    rows_ptr,  # fp32 [ROW_VECTORS, H, padded]: per-query vectors in padded slots (the Hopper kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
@@ -121,12 +146,12 @@ def _quantize_kernel(
 
     FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the Gluon kernel reads
+    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read
     them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
     fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (the Gluon
-    kernel's, ``hopper_bwd_ws.Q_FACTOR`` etc.), the whole slot, zeros past the sequence's end.
+    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``
+    etc.), the whole slot, zeros past the sequence's end.
     P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
     the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
     DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
@@ -153,7 +178,7 @@ def _quantize_kernel(
             lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-            if P_LSE2_ROW >= 0:  # +inf past the end, so that the Gluon kernel's p is 0 there
+            if P_LSE2_ROW >= 0:  # +inf past the end, so that the Hopper kernel's p is 0 there
                 tl.store(padded_rows + P_LSE2_ROW * HEADS * padded,
                          tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
                 q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
@@ -178,7 +203,7 @@ def _finish_dq_kernel(
     dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, tiles_ptr, total, batch, softmax_scale,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
 ):
-    """dQ of one (TILE-token tile of a sequence, query head) from ``hopper_bwd_ws``'s fp32 sums
+    """dQ of one (TILE-token tile of a sequence, query head) from ``sm90.backward``'s fp32 sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS_Q)
@@ -214,7 +239,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
-    ``rows``: the Gluon kernel's per-query vectors, fp32 ``[hopper_bwd_ws.ROW_VECTORS, H, padded]``,
+    ``rows``: the Hopper kernel's per-query vectors, fp32 ``[ROW_VECTORS, H, padded]``,
     each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
     there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``: only for e4m3
     copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
@@ -249,12 +274,11 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     # Q's token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's token scales.
     scale_row = p_lse2_row = q_factor_row = q_delta_row = -1
     if rows is not None and with_delta:
-        ws = hopper_bwd_ws
-        p_lse2_row, q_factor_row, q_delta_row = (v.value for v in (ws.P_LSE2, ws.Q_FACTOR, ws.Q_DELTA))
+        p_lse2_row, q_factor_row, q_delta_row = P_LSE2.value, Q_FACTOR.value, Q_DELTA.value
         if feature_dtype != torch.bfloat16:
-            scale_row = ws.DO_FACTOR.value
+            scale_row = DO_FACTOR.value
     elif rows is not None:
-        scale_row = hopper_bwd_ws.Q_FACTOR.value
+        scale_row = Q_FACTOR.value
     _quantize_kernel[grid](
         x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
@@ -277,7 +301,7 @@ class Prepared:
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
                  key_order=NATURAL_ORDER, exact_scores=False, row_vectors=False, dlse=None):
         """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders);
-        ``row_vectors``: also the Gluon kernel's per-query vectors in padded slots (``self.rows``);
+        ``row_vectors``: also the Hopper kernel's per-query vectors in padded slots (``self.rows``);
         ``dlse``: the LSE's gradient, taken into Delta (None: none)."""
         self.query_order, self.key_order = query_order, key_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
@@ -293,11 +317,11 @@ class Prepared:
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
         group = self.heads_q // self.heads_kv
         # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
-        # as bf16 holding their MX values, for the Gluon kernel's exact S and dP.
+        # as bf16 holding their MX values, for the Hopper kernel's exact S and dP.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn
         self.rows = None
         if row_vectors:
-            self.rows = torch.empty(hopper_bwd_ws.ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
+            self.rows = torch.empty(ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
                                     device=q.device)
         self.q, _, _ = quantize_for_backward(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
                                              group=group, order=query_order, feature_dtype=score_dtype,
@@ -321,15 +345,8 @@ class Prepared:
         return max_length(self.offsets_k, self.total_k)
 
 
-def gluon_preparation(deterministic: bool = False) -> dict:
-    """What :class:`Prepared` makes for the Gluon path: Q^T and dO^T in ``PV_ORDER``, K^T in ``DS_ORDER``
-    (natural order when deterministic: the Triton dQ kernel reads it then, the Gluon kernel not),
-    and the padded per-query vectors."""
-    return dict(query_order=PV_ORDER, key_order=NATURAL_ORDER if deterministic else DS_ORDER, row_vectors=True)
-
-
 def finish_dq(dq_accum, prep, dq, softmax_scale: float) -> None:
-    """dQ into ``dq`` from ``hopper_bwd_ws``'s fp32 sums ``dq_accum`` of the call ``prep`` prepared."""
+    """dQ into ``dq`` from ``sm90.backward``'s fp32 sums ``dq_accum`` of the call ``prep`` prepared."""
     _finish_dq_kernel[(prep.tiles_q.shape[0] * prep.heads_q,)](
         dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
         prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
