@@ -45,7 +45,7 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: t
     """Both offsets valid for their rows, on ``device`` and of one batch size (``ValueError`` naming
     them otherwise). Offsets not yet known valid are read before anything else runs, both in one wait for
     the device: each wait leaves the GPU idle while the host launches what follows, and nine of them
-    cost a training step measurably (docs/perf-history.md v15)."""
+    cost a training step measurably (docs/perf-history.md)."""
     pairs = [(offsets_q, rows_q, names[0]), (offsets_k, rows_k, names[1])]
     for offsets, _, name in pairs:
         check_offsets_type(offsets, name)

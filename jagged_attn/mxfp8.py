@@ -228,7 +228,7 @@ def checked_after(magnitudes: torch.Tensor | None, names, run):
     send a kernel out of bounds, so the check need not come first. The magnitudes go to pinned host
     memory in a copy queued behind what forms them, and the host waits for that copy alone, not for the
     kernels queued after it (a wait drains the GPU's queue, which then idles while the host launches
-    what follows; docs/perf-history.md v16)."""
+    what follows; docs/perf-history.md)."""
     if magnitudes is None:
         return run()
     copied = None

@@ -55,9 +55,9 @@ def value_checks(enabled: bool):
     """Within the block, in the calling thread, the input checks that read tensor values (offsets'
     contents, NaN/Inf in inputs and in the producers' results) run (``True``, the default outside any
     block) or are skipped (``False``). A call whose offsets tensors are new waits for the device once
-    before its kernels, which leaves a GPU idle while the host launches what follows (docs/perf-history.md
-    v15); with offsets already checked it waits after queuing its kernels, for its NaN/Inf check alone
-    (v16). A training loop over trusted data can skip them. Checks of dtypes, shapes and devices always run. Unchecked
+    before its kernels, which leaves a GPU idle while the host launches what follows (docs/perf-history.md);
+    with offsets already checked it waits after queuing its kernels, for its NaN/Inf check alone. A
+    training loop over trusted data can skip them. Checks of dtypes, shapes and devices always run. Unchecked
     bad offsets give wrong rows, never an access outside the tensors (``bounded_offsets``, and
     ``kernels/common/layout.sequence_span`` in the kernels)."""
     previous = getattr(_checks, "off", False)

@@ -44,7 +44,7 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     ``[total, H * D]`` values as ``[total, H, D]``. ``offsets=None`` for a bare tensor treats it as one
     sequence. ``axis="feature"`` puts the 32-blocks along D (for Q and K in S = QK^T),
     ``axis="sequence"`` along each sequence's tokens (for V in O = PV). ``compile=True`` runs the
-    element work through ``torch.compile`` (one fused pass, about 10x faster on large CPU inputs,
+    element work through ``torch.compile`` (one fused pass, much faster on large CPU inputs,
     bit-identical; the first call compiles). CUDA tensors always go through the fused Triton kernel
     (``kernels/producers/quantize.py``, bit-identical). Raises ValueError/TypeError on bad input before any work.
     """
@@ -129,7 +129,7 @@ def _sequence_blocks(x, rows, n_columns: int, rounding: str):
     """``[T, H, D]`` + each token's padded row -> (e4m3 data, int32 bytes ``[n_columns, H, D]``, maxima).
 
     The block maxima come from a zero-padded copy in which every sequence starts at its padded
-    row, so 32-token blocks are plain reshapes (1.4x faster than a scatter-max on CPU)."""
+    row, so 32-token blocks are plain reshapes (faster than a scatter-max on CPU)."""
     padded = x.new_zeros((n_columns * BLOCK_SIZE, *x.shape[1:]))
     padded[rows] = x
     amax = padded.view(n_columns, BLOCK_SIZE, *x.shape[1:]).abs().amax(1).to(torch.float32)

@@ -281,8 +281,8 @@ def forward_kernel_alone(w: Workload, mq, mk, mv, config: dict):
     rebased = (*rebase_q(), *rebase_kv())
 
     def kernel():
-        return sm90_forward._forward(*rebased, w.offsets_q, w.offsets_k, causal=w.causal, softmax_scale=w.scale,
-                                     out_dtype=torch.bfloat16, config=config)
+        return sm90_forward.forward_rebased(*rebased, w.offsets_q, w.offsets_k, causal=w.causal,
+                                            softmax_scale=w.scale, out_dtype=torch.bfloat16, config=config)
 
     return kernel, rebase_q, rebase_kv
 
@@ -311,7 +311,7 @@ def ours_mxfp8(w: Workload, kernel: bool, sweep_configs=()):
     for c in sweep_configs:
         rebased = (*rebase.rebase_feature(mk, group=c["BLOCK_N"]), *rebase.rebase_sequence(mv))
         results[f"triton {c['BLOCK_M']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s"] = median_ms(
-            lambda: portable_forward._forward(
+            lambda: portable_forward.forward_rebased(
                 mq.data, mq, *rebased, w.offsets_q, w.offsets_k, out_dtype=torch.bfloat16, config=c, **forward
             )
         )

@@ -18,7 +18,7 @@ The dS modes keep exact products and change only dS's quantization: the referenc
 tiles, each on its own scale; the Gluon kernel quantizes 64 x 64 tiles (one consumer's keys x one
 query step) on a running scale per (KV head, 64-key block) that only grows over its steps (query
 heads of the group outer, query tiles inner) from the smallest normal ("dS running64"), here
-also one scale per 64 x 64 tile ("dS step64"). docs/perf-history.md (backward v6, v7) compares all of it
+also one scale per 64 x 64 tile ("dS step64"). docs/perf-history.md (the backward's exact S and dP) compares all of it
 with the H200.
 
 The dK modes keep the reference's S, dP and dS and model how the Gluon kernel sums dK = dS^T Q over

@@ -36,8 +36,8 @@ def forward(mq, mk, mv, causal, scale, variant, out_dtype):
     config = dict(portable_forward.tile_config(mq.head_dim), **variant)
     rebased = (*rebase.rebase_feature(mk, group=config["BLOCK_N"], exact=config["SCORES"] == "bf16"),
                *rebase.rebase_sequence(mv))
-    return lambda: portable_forward._forward(mq.data, mq, *rebased, mq.offsets, mk.offsets, causal=causal,
-                                             softmax_scale=scale, out_dtype=out_dtype, config=config)
+    return lambda: portable_forward.forward_rebased(mq.data, mq, *rebased, mq.offsets, mk.offsets, causal=causal,
+                                                    softmax_scale=scale, out_dtype=out_dtype, config=config)
 
 
 def accuracy(case, kind):

@@ -276,7 +276,6 @@ def _kernel_signature(out_type):
         D=128,
         CAUSAL=True,
         Q_FROM_HIGH_PRECISION=False,
-        Q_FLOOR=False,
         INTERPRET=False,
         **_tiles(128),
     )
@@ -598,8 +597,8 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(poisoned, scores, len_q, len
     out, lse = sm90_forward.attention_forward(mq, mk, mv, scores=scores, **options)
     config = portable_forward.tile_config(dim, scores)
     rebased_kv = rebase.rebase_kv(mk, mv, config["BLOCK_N"], exact=scores == "bf16")
-    triton_out, triton_lse = portable_forward._forward(mq.data, mq, *rebased_kv, offsets_q, offsets_k, config=config,
-                                                 **options)
+    triton_out, triton_lse = portable_forward.forward_rebased(mq.data, mq, *rebased_kv, offsets_q, offsets_k,
+                                                              config=config, **options)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert relative_l2(out, triton_out) <= 2e-3
     assert torch.equal(torch.isinf(lse), torch.isinf(triton_lse))

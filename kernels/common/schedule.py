@@ -13,7 +13,7 @@ launch order, so the long work starts first and the short fills the gaps
 (longest-processing-time-first), while the programs running at once share a sequence's data in L2;
 empty slots sit at the end. Either costs one kernel launch
 (plus a sort for the work list): a training step builds six tables, and launching a few dozen small
-torch ops per table left the GPU idle while the host worked (docs/perf-history.md v16). Both are kept
+torch ops per table left the GPU idle while the host worked (docs/perf-history.md). Both are kept
 while their offsets tensors live unwritten (``reuse.py``): the layers of a model share one offsets
 tensor per batch, so a step builds each table once. Extra memory: 8 bytes per slot. Callers must not
 write into a returned table.

@@ -366,7 +366,8 @@ def _shape_constants(prep, block_m, block_n, causal, precise_scores, num_warps, 
                 INTERPRET=fp8.INTERPRETED, num_warps=num_warps, num_stages=num_stages)
 
 
-def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_reduce, block_m, block_n, **shape):
+def _launch_dkdv(prep: backward_passes.Prepared, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_reduce, block_m,
+                 block_n, **shape):
     """dK, dV (and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``: by TMA bulk
     reduce-adds of whole tiles with ``tma_reduce``, else by per-element atomics)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
@@ -385,7 +386,7 @@ def _launch_dkdv(prep, dq_accum, dk, dv, *, softmax_scale, accumulate_dq, tma_re
     )
 
 
-def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
+def _launch_dq(prep: backward_passes.Prepared, dq, *, softmax_scale, block_m, block_n, **shape):
     """dQ by the deterministic kernel, with the given tiles."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     _dq_kernel[(triton.cdiv(prep.max_len_q, block_m) * prep.batch, prep.heads_q)](
@@ -396,7 +397,8 @@ def _launch_dq(prep, dq, *, softmax_scale, block_m, block_n, **shape):
     )
 
 
-def launch_deterministic_dq(prep, dq, *, softmax_scale: float, causal: bool) -> None:
+def launch_deterministic_dq(prep: backward_passes.Prepared, dq: torch.Tensor, *, softmax_scale: float,
+                            causal: bool) -> None:
     """dQ into ``dq`` by the deterministic kernel: one program per query tile, its key tiles in order, S and
     dP recomputed from ``prep``'s copies (K^T in natural order); bit-identical from run to run."""
     tiles = dict(GPU_DQ_TILES, precise_scores=True) if dq.is_cuda else dict(INTERPRETER_TILES)
@@ -442,7 +444,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     ``deterministic=False`` adds each key tile's dQ partial into an fp32 buffer (TMA bulk
     reduce-adds on sm_90+, atomics elsewhere; the order varies run to run). ``deterministic=True``
     computes dQ in a separate kernel per query tile that loops over its key tiles in order:
-    bit-identical results, at the price of recomputing S and dP there (docs/perf-history.md, v8).
+    bit-identical results, at the price of recomputing S and dP there (docs/perf-history.md).
     """
     check_inputs(dout, q, k, v, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -140,7 +140,6 @@ def _attention_forward_kernel(
     SCORES: tl.constexpr,
     CAUSAL: tl.constexpr,
     Q_FROM_HIGH_PRECISION: tl.constexpr,
-    Q_FLOOR: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     slot = tl.program_id(0) // HEADS_Q
@@ -158,11 +157,11 @@ def _attention_forward_kernel(
     in_seq = rows < len_q
     if SCORES == "bf16":
         q_tile = dequantized_feature_rows(q, q_scales, head, seq, q_start, len_q, rows, q_scale_bytes_per_head,
-                                          q_col_tiles, HEADS_Q, D, BLOCK_M, Q_FROM_HIGH_PRECISION, Q_FLOOR, INTERPRET)
+                                          q_col_tiles, HEADS_Q, D, BLOCK_M, Q_FROM_HIGH_PRECISION, False, INTERPRET)
         row_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32) * scale_log2
     else:
         q_tile, q_byte = rebased_feature_rows(q, q_scales, head, seq, q_start, len_q, rows, q_scale_bytes_per_head,
-                                              q_col_tiles, HEADS_Q, D, BLOCK_M, 1, Q_FROM_HIGH_PRECISION, Q_FLOOR,
+                                              q_col_tiles, HEADS_Q, D, BLOCK_M, 1, Q_FROM_HIGH_PRECISION, False,
                                               INTERPRET)
         row_scale = layout.scale_value(q_byte) * scale_log2
     k_block = tl.make_block_ptr(
@@ -218,7 +217,7 @@ def _attention_forward_kernel(
     tl.store(lse + tokens * HEADS_Q + head, tl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 
-def _forward(
+def forward_rebased(
     q,
     q_mx,
     k8,
@@ -231,11 +230,10 @@ def _forward(
     causal,
     softmax_scale,
     out_dtype,
-    rounding="rceil",
     config=None,
 ):
     """The kernel on rebased K, V and on Q as it comes: ``q`` is the e4m3 data of ``q_mx`` or, with
-    ``q_mx=None``, high-precision values; the kernel quantizes (by ``rounding``) and rebases its own
+    ``q_mx=None``, high-precision values; the kernel quantizes (rceil) and rebases its own
     Q tile. ``config`` (default ``tile_config``) must have the BLOCK_N that K was rebased with."""
     total_q, heads_q, dim = q.shape
     total_k, heads_kv, _ = k8.shape
@@ -270,7 +268,6 @@ def _forward(
             D=dim,
             CAUSAL=causal,
             Q_FROM_HIGH_PRECISION=q_mx is None,
-            Q_FLOOR=rounding == "floor",
             INTERPRET=fp8.INTERPRETED,
             **config,
         )
@@ -298,7 +295,7 @@ def attention_forward(
     """
     config = tile_config(q.head_dim, scores)
     rebased_kv = kept_rebase_kv(k, v, config["BLOCK_N"], exact=config["SCORES"] == "bf16")
-    return _forward(
+    return forward_rebased(
         q.data,
         q,
         *rebased_kv,
@@ -324,6 +321,6 @@ def attention_forward_hp(
                                     nonfinite=flags)
     # Q is quantized inside the kernel: its largest magnitude from a reduction of its own.
     magnitudes = torch.cat([largest_magnitudes((q,)), flags.to(torch.float64)]) if check_finite else None
-    return checked_after(magnitudes, ("q", "k", "v"), lambda: _forward(
+    return checked_after(magnitudes, ("q", "k", "v"), lambda: forward_rebased(
         q, None, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
         out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))

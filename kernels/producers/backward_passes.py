@@ -57,10 +57,10 @@ from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 # Warps of the producer's two passes and of the dQ finish pass, the fastest measured (four each against
-# eight, then two for the amax pass: docs/perf-history.md v9, v16). Both passes take their 128-token slot in
+# eight, then two for the amax pass: docs/perf-history.md). Both passes take their 128-token slot in
 # chunks of PRODUCER_CHUNK tokens (a power of two from 16: the token orders' groups): 64 was faster than
-# whole slots, and 32 and 16, though lighter on registers, slower (v14); re-swept with the heads of a slot
-# fastest, the same choices (v17).
+# whole slots, and 32 and 16, though lighter on registers, slower; re-swept with the heads of a slot
+# fastest, the same choices.
 AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
 PRODUCER_CHUNK = 64

@@ -12,7 +12,7 @@ non-reduced index, in one pass over the data (two for the sequence axis):
   absolute error stays below the rounding error of the group's largest elements.
   Output: e4m3 ``[total, H, D]`` and the fp32 factors ``2^(e_grp - 127)``. (From high-precision
   values with one group per 128-token tile, each tile is read for its maximum first, then again in
-  chunks, just read, so mostly from L2 by the measured time: docs/perf-history.md v15.) The ``exact`` form
+  chunks, just read, so mostly from L2 by the measured time: docs/perf-history.md.) The ``exact`` form
   (for S from a bf16 MMA) skips the shift: each element becomes its MX value in bf16, which holds
   every e4m3 value times a power of two exactly, and the factors are 1.
 * sequence axis (V): each (sequence, head, channel) gets the maximum exponent of its 32-token
@@ -60,7 +60,7 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 FEATURE_CONFIG = dict(num_warps=4)
 # Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
-# whole slots: chunks were faster from bf16 and 1% slower from MXFP8 (docs/perf-history.md v14).
+# whole slots: chunks were faster from bf16 and a little slower from MXFP8 (docs/perf-history.md).
 FEATURE_CHUNK = 64
 SEQUENCE_CONFIGS = {"values": dict(BLOCK_D=32, num_warps=1), "mxfp8": dict(BLOCK_D=128, num_warps=4)}
 EXPONENT_CONFIGS = {"values": dict(BLOCK_D=64, num_warps=2), "mxfp8": dict(BLOCK_D=128, num_warps=4)}

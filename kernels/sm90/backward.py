@@ -28,7 +28,7 @@ S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX 
 (``exact_scores``, the default: fp32 accumulation, so S and dP are exact, with no token scales
 left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
-outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md v6-v8).
+outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md).
 Operands, scales and their folding are those of ``producers.backward_passes`` (its docstring
 and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
 scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
@@ -37,11 +37,11 @@ per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
 
 Exact S and dP keep the gradients within 5e-3 of the reference backend on every input kind of the
 tests, cosine against fp64 within 1e-4 of the reference's; FP8 S and dP (backend ``hopper``, faster)
-1.5e-2 to 2e-1 from it on heavy-tailed and outlier inputs (docs/perf-history.md v8-v13). The
+1.5e-2 to 2e-1 from it on heavy-tailed and outlier inputs (docs/perf-history.md). The
 consumers are at their register ceiling and sensitive to every instruction, and the dQ warpgroup's
 steps (publishing, wgmmas, staging, reduce-adds) bound the kernel; dQ formed in the consumers instead,
 each over its own keys, was measured slower still: their chains are latency-bound, and dQ's round trips
-then lengthen each of them (docs/perf-history.md v11-v13, v26; speed: docs/PERF.md).
+then lengthen each of them (docs/perf-history.md; speed: docs/PERF.md).
 """
 
 import torch
@@ -329,8 +329,8 @@ def _tile_amax(x, exchange_smem):
     layout, with one barrier and no shuffles: each thread's maximum (its registers split out by a
     reshape: row bit 3 and column bits 0, 3-5), one ``redux.sync`` per warp on the bits (non-negative
     floats order as integers), the four warps' maxima through ``exchange_smem`` (``[32, 4]`` int32,
-    lane x warp). ``gl.max`` over both axes took five shuffle rounds and two barriers (ncu: 17% of
-    the consumers' stall samples)."""
+    lane x warp). ``gl.max`` over both axes took five shuffle rounds and two barriers (a large share of
+    the consumers' stall samples in ncu)."""
     gl.static_assert((x.shape[0] == 64) & (x.shape[1] == 64), "the register split assumes an m64n64 tile")
     # rows: (warp, register, lane bits 2-4); columns: (register, lane bits 0-1, register)
     per_thread = gl.max(gl.max(gl.max(gl.abs(x).reshape([4, 2, 8, 8, 4, 2]), axis=5), axis=3), axis=1)
@@ -474,8 +474,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
         # step's wgmmas): bf16 copies (the exact path) and 16-bit gradients; not the FP8 path's e4m3
         # buffers, nor fp32 gradients. Through them, then stored from a layout in which each warp writes
         # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
-        # instruction) these stores took a fifth of the kernel on short-query batches (docs/perf-history.md
-        # v18, v19).
+        # instruction) these stores took a large share of the kernel on short-query batches
+        # (docs/perf-history.md).
         rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
         dk_out = layout.gluon_restage(dk_out, k_smem, rows_layout)
         dv_out = layout.gluon_restage(dv_out, v_smem, rows_layout)
@@ -497,7 +497,7 @@ def _attention_backward_kernel(
 ):
     # KV head outer, work slots inner: the programs running at once are mostly the key tiles of the
     # same (sequence, head), which read the same Q/dO tiles and add dQ to the same rows at about
-    # the same time, so L2 serves them (causal: 1.3x; the key tiles of many heads at once thrashed it).
+    # the same time, so L2 serves them (the key tiles of many heads at once thrashed it, causal batches most).
     slot, kv_head = layout.grid_split(HEADS_KV)
     seq = gl.load(work + 2 * slot)
     if seq < 0:
@@ -578,7 +578,7 @@ def _attention_backward_kernel(
     )
 
 
-def _padded_row_vectors(prep) -> TensorDescriptor:
+def _padded_row_vectors(prep: Prepared) -> TensorDescriptor:
     """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``DO_FACTOR``, ``Q_DELTA``) as the producers wrote
     them (``backward_passes.Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
     sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read ``BLOCK_M`` at a
@@ -591,7 +591,7 @@ def _padded_row_vectors(prep) -> TensorDescriptor:
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 
 
-def _descriptors(prep, dq_accum) -> tuple:
+def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
     """The kernel's TMA descriptors, in its argument order: Q, Q^T, K, K^T, V, dO, dO^T (query tiles of
     ``BLOCK_M`` tokens, key tiles of one consumer's keys), the padded per-query vectors and the fp32
     ``dq_accum`` (``[BLOCK_M, DQ_PIECE]`` boxes, 128-byte swizzled)."""
@@ -612,7 +612,8 @@ def _descriptors(prep, dq_accum) -> tuple:
     )
 
 
-def launch(prep, dq_accum, dk, dv, *, softmax_scale: float, causal: bool, accumulate_dq: bool):
+def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, softmax_scale: float,
+           causal: bool, accumulate_dq: bool) -> None:
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
     ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang);
     without ``accumulate_dq`` it is never touched (``[BLOCK_M, Hq, D]`` serves its descriptor).
@@ -675,7 +676,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
 
     ``scores="bf16"``: S and dP from bf16 wgmmas on the MX values of Q, K, V and dO (exact, fp32
     accumulation); "fp8": from FP8 wgmma (~13-bit accumulation; gradients 1.5e-2 to 2e-1 from the
-    reference backend on heavy-tailed and outlier inputs, docs/perf-history.md v6-v13). dQ's partials
+    reference backend on heavy-tailed and outlier inputs, docs/perf-history.md). dQ's partials
     are added into an fp32 buffer by TMA reduce-adds (the order varies run to run) and scaled by
     ``backward_passes.finish_dq``; ``deterministic=True`` leaves dQ to the portable deterministic
     kernel (bit-identical results, S and dP recomputed there)."""

@@ -43,7 +43,7 @@ HEAD_DIMS = (64, 128)
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
-    """KV tile, pipeline depth (measured: 2 stages within 1% of these), the registers of the loader
+    """KV tile, pipeline depth (measured: 2 stages about as fast), the registers of the loader
     warp and the consumer warpgroups (``setmaxnreg``), and whether the softmax's row reductions run
     as trees (``_row_reduce``: measured faster at head_dim 128, slower at 64)."""
     if scores not in SCORE_MODES or head_dim not in HEAD_DIMS:
@@ -171,7 +171,7 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
-    here: the softmax's own latency, not the MMA waits, sets the pace (docs/perf-history.md v21)."""
+    here: the softmax's own latency, not the MMA waits, sets the pace (docs/perf-history.md)."""
     seq, head, kv_head, rows0 = tile.seq, tile.head, tile.kv_head, tile.rows0
     q_start, len_q, len_k, q_col = tile.q_start, tile.len_q, tile.len_k, tile.q_col
     q_factor_row, k_factor_row, n_tiles = tile.q_factor_row, tile.k_factor_row, tile.n_tiles
@@ -243,7 +243,7 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=o_rows)
     if out.dtype.element_ty.primitive_bitwidth == q_smem.dtype.primitive_bitwidth:
         # Through this consumer's Q buffer (free after the last S wgmma; bf16 on the exact path, where O
-        # is 16-bit too), then stored in whole rows: ragged batches' forward kernel -5% (docs/perf-history.md v20).
+        # is 16-bit too), then stored in whole rows: faster on ragged batches (docs/perf-history.md).
         rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
         o = layout.gluon_restage(o, q_smem, rows_layout)
         o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
@@ -263,7 +263,7 @@ def _attention_forward_kernel(
     CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr,
 ):
     # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
-    # (sequence, head), which stream the same K and V tiles through L2 (causal: 4% faster).
+    # (sequence, head), which stream the same K and V tiles through L2 (faster on causal batches).
     slot, head = layout.grid_split(HEADS_Q)
     if gl.load(work + 2 * slot) < 0:
         return
@@ -315,8 +315,8 @@ def _descriptors(q_rebased: torch.Tensor, k_rebased: torch.Tensor, vt: torch.Ten
             operand_descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, block_n]))
 
 
-def _forward(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
-             out_dtype, config):
+def forward_rebased(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal,
+                    softmax_scale, out_dtype, config):
     """The kernel on rebased Q, K (``rebase_feature``: per token / per ``BLOCK_N`` tile) and V^T."""
     total_q, heads_q, dim = q_rebased.shape
     total_k, heads_kv, _ = k_rebased.shape
@@ -341,7 +341,7 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
     exact = scores == "bf16"
     rebased_q = kept_rebase_feature(q, group=1, exact=exact)
     rebased_kv = kept_rebase_kv(k, v, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER)
-    return _forward(*rebased_q, *rebased_kv, q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale,
+    return forward_rebased(*rebased_q, *rebased_kv, q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale,
                     out_dtype=out_dtype, config=config)
 
 
@@ -357,6 +357,6 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
                                         nonfinite=None if flags is None else flags[:1])
     rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
                                     nonfinite=None if flags is None else flags[1:])
-    return checked_after(flags, ("q", "k", "v"), lambda: _forward(
+    return checked_after(flags, ("q", "k", "v"), lambda: forward_rebased(
         *rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
         out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))
