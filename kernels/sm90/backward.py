@@ -137,6 +137,45 @@ class DsExchange:
 
 
 @aggregate
+class KeyOperands:
+    """The program's key-side tiles, one per consumer: K and V on the feature axis (``k``, ``v``: ``[CONSUMERS,
+    KEYS_PER_CONSUMER, D]``, for S^T and dP^T) and K^T on the sequence axis (``kt``: ``[CONSUMERS, D,
+    KEYS_PER_CONSUMER]``, for the dQ warpgroup's wgmmas), their TMA descriptors, and ``ready[c]`` once
+    consumer c's three tiles arrived."""
+    k_desc: tma.tensor_descriptor
+    kt_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    k: gl.shared_memory_descriptor
+    kt: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, k_desc, kt_desc, v_desc, k, kt, v, ready):
+        self.k_desc, self.kt_desc, self.v_desc = k_desc, kt_desc, v_desc
+        self.k, self.kt, self.v, self.ready = k, kt, v, ready
+
+
+@aggregate
+class KeyGradients:
+    """What the consumers fold in and write: K's and V's per-token scales (``k_scale``, ``v_scale``:
+    fp32 ``[Hkv, total_k]``), Q^T's and dO^T's per-(sequence, channel) scales (``qt_scale``,
+    ``dot_scale``: fp32 ``[Hkv, B, D]``, dK's and dV's column factors), and the outputs ``dk``, ``dv``
+    (``[total_k, Hkv, D]``)."""
+    k_scale: gl.tensor
+    v_scale: gl.tensor
+    qt_scale: gl.tensor
+    dot_scale: gl.tensor
+    dk: gl.tensor
+    dv: gl.tensor
+
+    @constexpr_function
+    def __init__(self, k_scale, v_scale, qt_scale, dot_scale, dk, dv):
+        self.k_scale, self.v_scale, self.qt_scale, self.dot_scale = k_scale, v_scale, qt_scale, dot_scale
+        self.dk, self.dv = dk, dv
+
+
+@aggregate
 class KeyTile:
     """A program's work: key tile ``n_start`` (``BLOCK_N`` keys from there) of sequence ``seq``, KV
     head ``kv_head``; the sequence's first query row ``q_start`` (int32, for TMA coordinates) and
@@ -293,8 +332,8 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
 
 
 @gluon.jit
-def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kt_smem, dq_even, dq_odd,
-                            dq_desc, kv_ready, tile, padded_q, HEADS_Q: gl.constexpr, D: gl.constexpr,
+def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd,
+                            dq_desc, tile, padded_q, HEADS_Q: gl.constexpr, D: gl.constexpr,
                             STAGES: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
     steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
@@ -307,8 +346,8 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
                    padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
         load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
     if ACCUMULATE_DQ:  # the dQ wgmmas read both consumers' K^T tiles
-        mbarrier.wait(kv_ready.index(0), 0)
-        mbarrier.wait(kv_ready.index(1), 0)
+        mbarrier.wait(kv.ready.index(0), 0)
+        mbarrier.wait(kv.ready.index(1), 0)
     head, m0 = tile.first_head, m_lo
     for i in range(n_steps):
         if i + STAGES < n_steps:
@@ -316,7 +355,7 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
                        q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
             load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
         if ACCUMULATE_DQ:
-            _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
+            _dq_step(i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, q_start,
                      D)
         head, m0 = _next_query_tile(head, m0, m_lo, m_end)
     if ACCUMULATE_DQ:
@@ -346,8 +385,7 @@ def _tile_amax(x, exchange_smem):
 
 
 @gluon.jit
-def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages, exchange, amax_smem,
-             qt_scale, k_scale, v_scale, dot_scale, dk, dv, tile, total_k, batch, softmax_scale,
+def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
@@ -365,21 +403,23 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     key0 = n_start + CONSUMER * KEYS
-    ready = kv_ready.index(CONSUMER)
-    mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
-    tma.async_copy_global_to_shared(kt_desc, [kv_head * D, (tile.padded_k_start + key0).to(gl.int32)], ready,
-                                    kt_smem.index(CONSUMER))
+    k_smem = kv.k.index(CONSUMER)
+    v_smem = kv.v.index(CONSUMER)
+    ready = kv.ready.index(CONSUMER)
+    mbarrier.expect(ready, kv.k_desc.block_type.nbytes + kv.v_desc.block_type.nbytes + kv.kt_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kv.k_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, k_smem)
+    tma.async_copy_global_to_shared(kv.v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
+    tma.async_copy_global_to_shared(kv.kt_desc, [kv_head * D, (tile.padded_k_start + key0).to(gl.int32)], ready,
+                                    kv.kt.index(CONSUMER))
 
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
     key_scales = kv_head.to(gl.int64) * total_k + k_start + keys
-    k_factor = gl.load(k_scale + key_scales, mask=keys < len_k, other=0.0)
+    k_factor = gl.load(grads.k_scale + key_scales, mask=keys < len_k, other=0.0)
     # S^T and dP^T come from bf16 copies holding the MX values (EXACT: fp32 accumulation) or from
     # e4m3 copies in units of the token scales, applied here.
     if not EXACT:
         k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
-        v_factor = gl.load(v_scale + key_scales, mask=keys < len_k, other=0.0)
+        v_factor = gl.load(grads.v_scale + key_scales, mask=keys < len_k, other=0.0)
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
     # token scales (backward_passes) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
     k_ds_factor = k_factor * (1.0 / layout.P_SCALE)
@@ -387,13 +427,13 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
     # Steps whose query tile some key of the program does not see (causal), or all of them
     # when the key tile runs past the sequence, need the mask.
     partial_keys = n_start + BLOCK_N > len_k
-    score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, k_desc.dtype.primitive_bitwidth)
+    score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, kv.k_desc.dtype.primitive_bitwidth)
     score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
-    mbarrier.wait(kv_ready.index(CONSUMER), 0)
+    mbarrier.wait(ready, 0)
     head, m0 = tile.first_head, m_lo
     for i in range(n_steps):
         stage = i % STAGES
@@ -463,13 +503,13 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
     key_in = key_rows < len_k
     sequence_scales = (kv_head * batch + seq) * D + channels
-    dk_scale = gl.load(qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
-    dv_scale = gl.load(dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
-    k_row_factor = gl.load(k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows, mask=key_in, other=0.0)
+    dk_scale = gl.load(grads.qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
+    dv_scale = gl.load(grads.dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
+    k_row_factor = gl.load(grads.k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows, mask=key_in, other=0.0)
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
-    dk_out = dk_rows.to(dk.dtype.element_ty)
-    dv_out = (dv_acc * dv_scale[None, :]).to(dv.dtype.element_ty)
-    if dk.dtype.element_ty.primitive_bitwidth == k_smem.dtype.primitive_bitwidth:
+    dk_out = dk_rows.to(grads.dk.dtype.element_ty)
+    dv_out = (dv_acc * dv_scale[None, :]).to(grads.dv.dtype.element_ty)
+    if grads.dk.dtype.element_ty.primitive_bitwidth == k_smem.dtype.primitive_bitwidth:
         # Where a gradient tile has the bytes of this consumer's K and V buffers (free after the last
         # step's wgmmas): bf16 copies (the exact path) and 16-bit gradients; not the FP8 path's e4m3
         # buffers, nor fp32 gradients. Through them, then stored from a layout in which each warp writes
@@ -483,8 +523,8 @@ def _consume(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, stages,
         channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
     out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
     in_sequence = (key_rows < len_k)[:, None]
-    gl.store(dk + out_offsets, dk_out, mask=in_sequence)
-    gl.store(dv + out_offsets, dv_out, mask=in_sequence)
+    gl.store(grads.dk + out_offsets, dk_out, mask=in_sequence)
+    gl.store(grads.dv + out_offsets, dv_out, mask=in_sequence)
 
 
 @gluon.jit
@@ -553,25 +593,21 @@ def _attention_backward_kernel(
     fence_async_shared()
     stages = QueryStages(q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty)
     exchange = DsExchange(ds_smem, scale_smem, ds_ready, ds_free)
+    kv = KeyOperands(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready)
+    grads = KeyGradients(k_scale, v_scale, qt_scale, dot_scale, dk, dv)
 
     tile = KeyTile(seq, kv_head, n_start, q_start.to(gl.int32), len_q, k_start, len_k,
                    layout.padded_seq_start(q_start, seq).to(gl.int32), layout.padded_seq_start(k_start, seq),
                    kv_head * group, m_lo, m_end, n_steps)
     gl.warp_specialize(
         [
-            (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kt_smem,
-                                       dq_even, dq_odd, dq_desc, kv_ready, tile, padded_q, HEADS_Q, D, STAGES,
+            (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
+                                       dq_even, dq_odd, dq_desc, tile, padded_q, HEADS_Q, D, STAGES,
                                        EXACT, ACCUMULATE_DQ)),
-            (_consume, (k_desc, kt_desc, v_desc, k_smem.index(0), kt_smem, v_smem.index(0), kv_ready,
-                        stages, exchange, amax_smem.slice(0, 32, dim=0),
-                        qt_scale, k_scale, v_scale, dot_scale, dk, dv,
-                        tile, total_k, batch, softmax_scale,
-                        0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
-            (_consume, (k_desc, kt_desc, v_desc, k_smem.index(1), kt_smem, v_smem.index(1), kv_ready,
-                        stages, exchange, amax_smem.slice(32, 32, dim=0),
-                        qt_scale, k_scale, v_scale, dot_scale, dk, dv,
-                        tile, total_k, batch, softmax_scale,
-                        1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
+            (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, tile, total_k, batch,
+                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
+            (_consume, (kv, stages, exchange, amax_smem.slice(32, 32, dim=0), grads, tile, total_k, batch,
+                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
