@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import triton
 
 from .devices import on_device_of
 from .kernels.portable import backward as portable_bwd, forward as portable_fwd
 from .kernels.sm90 import backward as hopper_bwd, forward as hopper_fwd
-from .kernels.sm100 import exact as block_scaled_kernels
+from .kernels.sm100 import block_scaled as block_scaled_kernels
 from .mx_format import saturating_cast
 from .mxfp8 import checked_after, largest_magnitudes
 from .quantize import quantize_mxfp8, quantize_mxfp8_dual
@@ -158,8 +159,6 @@ PORTABLE_CAPABILITY = (8, 9)  # the oldest GPU with e4m3 MMAs, which the portabl
 
 
 def _interpreting() -> bool:
-    import triton
-
     return bool(triton.knobs.runtime.interpret)
 
 

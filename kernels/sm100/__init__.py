@@ -1,2 +1,2 @@
 """Blackwell (sm_100+) attention, backend ``block-scaled``: the spec-exact ``tl.dot_scaled`` kernels
-(``exact``), native block-scaled MMA on sm_100, emulated by Triton on sm_90."""
+(``block_scaled``), native block-scaled MMA on sm_100, emulated by Triton on sm_90."""

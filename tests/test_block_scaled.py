@@ -1,4 +1,4 @@
-"""The spec-exact ``tl.dot_scaled`` path (``jagged_attn.kernels.sm100.exact``).
+"""The spec-exact ``tl.dot_scaled`` path (``jagged_attn.kernels.sm100.block_scaled``).
 
 * CPU, in CI: every kernel compiles for sm_100 to ``tcgen05.mma ... kind::mxf8f6f4.block_scale``
   with no bf16 upcast of its fp8 operands, and builds for sm_90 (where Triton emulates it).
@@ -16,18 +16,18 @@ from compile_util import compile_ptx
 
 from jagged_attn.backends import get_backend
 from jagged_attn.kernels.common import fp8
-from jagged_attn.kernels.sm100 import exact
+from jagged_attn.kernels.sm100 import block_scaled
 from jagged_attn.mxfp8 import scale_col_tiles
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.quantize import quantize_mxfp8, quantize_mxfp8_dual
 from jagged_attn.reference import reference_backward, reference_forward
 
-MODULE = "jagged_attn.kernels.sm100.exact"
+MODULE = "jagged_attn.kernels.sm100.block_scaled"
 # (kernel, dot_scaled call sites, BLOCK_M)
 KERNELS = [
-    ("forward_kernel", 3, exact.BLOCK_M),
-    ("dkdv_kernel", 4, exact.DKDV_BLOCK_M),
-    ("dq_kernel", 3, exact.BLOCK_M),
+    ("forward_kernel", 3, block_scaled.BLOCK_M),
+    ("dkdv_kernel", 4, block_scaled.DKDV_BLOCK_M),
+    ("dq_kernel", 3, block_scaled.BLOCK_M),
 ]
 SCALED_MMA = "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale"
 # Emulation on targets without a block-scaled MMA: fp8 -> f16/bf16 conversions, then bf16 scale multiplies.
@@ -49,9 +49,9 @@ needs_dot_scaled_interpreter = pytest.mark.skipif(
 
 
 def signature(kernel: str, constexprs: dict) -> dict:
-    """Triton types of ``kernel``'s arguments, by naming convention of kernels/sm100/exact.py."""
+    """Triton types of ``kernel``'s arguments, by naming convention of kernels/sm100/block_scaled.py."""
     types = {}
-    for name in getattr(exact, kernel).arg_names:
+    for name in getattr(block_scaled, kernel).arg_names:
         if name in constexprs:
             types[name] = "constexpr"
         elif name.endswith("_scales"):
@@ -73,9 +73,9 @@ def signature(kernel: str, constexprs: dict) -> dict:
 
 def compile_kernel(kernel: str, block_m: int, head_dim: int, causal: bool, arch: int) -> str:
     constexprs = dict(D=head_dim, FEATURE_COL_TILES=scale_col_tiles("feature", 0, 0, head_dim), CAUSAL=causal,
-                      BLOCK_M=block_m, BLOCK_N=exact.BLOCK_N, INTERPRET=False)
+                      BLOCK_M=block_m, BLOCK_N=block_scaled.BLOCK_N, INTERPRET=False)
     return compile_ptx(MODULE, kernel, signature(kernel, constexprs), constexprs, arch=arch,
-                       num_warps=exact.NUM_WARPS, num_stages=exact.NUM_STAGES)
+                       num_warps=block_scaled.NUM_WARPS, num_stages=block_scaled.NUM_STAGES)
 
 
 @pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
@@ -131,7 +131,7 @@ def poison_cuda_cache() -> None:
 
 def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, kind, dtype, device,
                     offsets_dtype=torch.int64, with_dlse=False):
-    """Forward and backward of the exact path vs the reference (float64) on the same MXFP8 operands;
+    """Forward and backward of the block-scaled kernels vs the reference (float64) on the same MXFP8 operands;
     ``with_dlse``: the backward with a gradient of the LSE as well."""
     offsets_q = offsets_from_lengths(torch.tensor(lengths_q)).to(device, offsets_dtype)
     offsets_k = offsets_from_lengths(torch.tensor(lengths_k)).to(device, offsets_dtype)
@@ -146,7 +146,7 @@ def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, k
     v_mx = quantize_mxfp8(v, offsets_k, axis="sequence")
 
     poison_cuda_cache()
-    out, lse = exact.attention_forward(q_mx, k_mx, v_mx, causal=causal, softmax_scale=scale, out_dtype=dtype)
+    out, lse = block_scaled.attention_forward(q_mx, k_mx, v_mx, causal=causal, softmax_scale=scale, out_dtype=dtype)
     ref_out, ref_lse = reference_forward(q_mx.dequantize(), k_mx.dequantize(), v_mx.dequantize(), offsets_q,
                                          offsets_k, causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -178,7 +178,7 @@ def check_attention(lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, k
 @needs_dot_scaled_interpreter
 @pytest.mark.parametrize("causal,heads_q,heads_kv,head_dim,with_dlse", [(True, 4, 2, 64, True),
                                                                        (False, 2, 2, 128, False)])
-def test_exact_matches_reference_tiny(causal, heads_q, heads_kv, head_dim, with_dlse):
+def test_block_scaled_matches_reference_tiny(causal, heads_q, heads_kv, head_dim, with_dlse):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check_attention([0, 1, 33, 130, 31], [5, 0, 64, 129, 160], heads_q, heads_kv, head_dim, causal, "gaussian",
                     torch.float32, device, offsets_dtype=torch.int32, with_dlse=with_dlse)
@@ -199,19 +199,19 @@ RAGGED_K = [7, 0, 64, 31, 200, 129, 1, 128, 257, 0]
         (RAGGED_Q, False, 4, 2, 64),
     ],
 )
-def test_exact_matches_reference_gpu(kind, lengths_k, causal, heads_q, heads_kv, head_dim):
+def test_block_scaled_matches_reference_gpu(kind, lengths_k, causal, heads_q, heads_kv, head_dim):
     check_attention(RAGGED_Q, lengths_k, heads_q, heads_kv, head_dim, causal, kind, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_exact_lse_gradient_gpu(causal):
+def test_block_scaled_lse_gradient_gpu(causal):
     """The backward with a gradient of the LSE too (taken into Delta) on ragged cross-attention."""
     check_attention(RAGGED_Q, RAGGED_K, 4, 2, 128, causal, "gaussian", torch.bfloat16, "cuda", with_dlse=True)
 
 
 @pytest.mark.gpu
-def test_exact_float32_int32_offsets_gpu():
+def test_block_scaled_float32_int32_offsets_gpu():
     check_attention(RAGGED_Q, RAGGED_K, 4, 2, 128, True, "gaussian", torch.float32, "cuda", offsets_dtype=torch.int32)
 
 
@@ -221,16 +221,18 @@ def test_rejects_bad_operands():
     q, k = quantize_mxfp8(x, offsets, axis="feature"), quantize_mxfp8(x[:, :3], offsets, axis="feature")
     v_wrong_axis = quantize_mxfp8(x, offsets, axis="feature")
     with pytest.raises(ValueError, match="v must be"):
-        exact.attention_forward(q, q, v_wrong_axis, causal=False, softmax_scale=0.125)
+        block_scaled.attention_forward(q, q, v_wrong_axis, causal=False, softmax_scale=0.125)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        exact.attention_forward(q, k, quantize_mxfp8(x[:, :3], offsets, axis="sequence"), causal=False,
+        block_scaled.attention_forward(q, k, quantize_mxfp8(x[:, :3], offsets, axis="sequence"), causal=False,
                                 softmax_scale=0.125)
     wide = torch.randn(43, 4, 96)
     both_axes = quantize_mxfp8_dual(wide, offsets)
-    operands = exact.BackwardOperands(*both_axes, *both_axes, quantize_mxfp8(wide, offsets, axis="feature"), *both_axes)
+    v_feature = quantize_mxfp8(wide, offsets, axis="feature")
+    operands = block_scaled.BackwardOperands(*both_axes, *both_axes, v_feature, *both_axes)
     with pytest.raises(ValueError, match="head_dim"):
-        exact.attention_backward(operands, torch.zeros(43, 4), torch.zeros(43, 4), causal=False, softmax_scale=0.1,
-                                 dtypes=(torch.float32,) * 3)
+        block_scaled.attention_backward(operands, torch.zeros(43, 4), torch.zeros(43, 4), causal=False,
+                                        softmax_scale=0.1, dtypes=(torch.float32,) * 3)
     with pytest.raises(ValueError, match="v_feature must be"):
-        exact.attention_backward(operands._replace(v_feature=operands.k_sequence), torch.zeros(43, 4),
-                                 torch.zeros(43, 4), causal=False, softmax_scale=0.1, dtypes=(torch.float32,) * 3)
+        block_scaled.attention_backward(operands._replace(v_feature=operands.k_sequence), torch.zeros(43, 4),
+                                        torch.zeros(43, 4), causal=False, softmax_scale=0.1,
+                                        dtypes=(torch.float32,) * 3)
