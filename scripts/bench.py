@@ -18,10 +18,12 @@ Workload sets (``--set``; ``--help`` lists them with the indices ``--workloads``
 ``4 * sum_b visible(q, k pairs) * D * Hq`` (backward: 2.5x that; a training step, forward +
 backward through autograd: 3.5x). Every timing is the median of ``triton.testing.do_bench`` on
 random (never zero) inputs; its first call, untimed, absorbs compiles (Triton's, FA4's ~5 s per
-shape class).
+shape class). With ``--rounds N`` every peer of a workload is timed N times over, in turns, and each
+column reports the median of its N timings (the JSON also their spread): one timing of a 60 ms
+training step once read 13% slow while its forward and backward alone did not (docs/perf-history.md).
 
     python3 scripts/bench.py --out OUT_DIR [--set fa4|design] [--workloads NAME|INDEX ...]
-        [--backward] [--flex] [--kernel] [--sweep] [--head-dims 128 64]
+        [--backward] [--flex] [--kernel] [--sweep] [--head-dims 128 64] [--rounds 2]
 
 Prints a table last, writes ``bench.json`` (every ms and TFLOP/s, the GPU, torch, Triton and FA4
 versions, date and commit) and ``bench.png`` (when matplotlib is there; otherwise
@@ -38,6 +40,7 @@ import inspect
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -592,9 +595,14 @@ def parse_args(argv=None):
     parser.add_argument("--flex-head-dims", type=int, nargs="*", default=[128])
     parser.add_argument("--kernel", action="store_true", help="also our forward kernel alone and its rebase passes")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs on the first workload")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over every peer per workload; each column reports the median of its passes "
+                             "and the JSON their spread (2 or more for ratios a slow spell of the GPU cannot skew)")
     parser.add_argument("--plot", help="only draw the chart of an earlier bench.json")
     parser.set_defaults(flex=False)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:
         args.specs = select(WORKLOAD_SETS[args.set], args.workloads)
     except ValueError as error:
@@ -602,21 +610,34 @@ def parse_args(argv=None):
     return args
 
 
+def combined_rounds(rounds: list[dict]) -> tuple[dict, dict]:
+    """({column: median ms over the rounds that measured it}, {column: [fastest, slowest] ms}) of
+    ``rounds``, each a {column: ms} of one pass over every peer."""
+    columns = {name: [r[name] for r in rounds if name in r] for r in rounds for name in r}
+    return ({name: statistics.median(ms) for name, ms in columns.items()},
+            {name: [min(ms), max(ms)] for name, ms in columns.items()})
+
+
 def bench_row(spec: Spec, dim: int, args):
-    """The row of ``spec`` at head_dim ``dim``: every column's ms and TFLOP/s."""
+    """The row of ``spec`` at head_dim ``dim``: every column's ms (the median over ``args.rounds`` passes
+    over all peers, so that a slow spell of the GPU falls on every peer alike), its spread and TFLOP/s."""
     w = Workload.of(spec, dim)
     sweep = SWEEP if args.sweep and spec is args.specs[0] else ()
-    measured = {}
-    for name, peer in PEERS:
-        if (name != "flex" or (args.flex and dim in args.flex_head_dims)) and (name != "fast centered"
-                                                                               or args.center_kv):
-            attempt(f"{w.label} {name}", functools.partial(timed, name, peer, w, args.backward), measured)
-    attempt(f"{w.label} ours mxfp8", functools.partial(ours_mxfp8, w, args.kernel, sweep), measured)
+    rounds = []
+    for _ in range(args.rounds):
+        measured = {}
+        for name, peer in PEERS:
+            if (name != "flex" or (args.flex and dim in args.flex_head_dims)) and (name != "fast centered"
+                                                                                   or args.center_kv):
+                attempt(f"{w.label} {name}", functools.partial(timed, name, peer, w, args.backward), measured)
+        attempt(f"{w.label} ours mxfp8", functools.partial(ours_mxfp8, w, args.kernel, sweep), measured)
+        rounds.append(measured)
+    measured, spread = combined_rounds(rounds)
     tflops = {k: w.tflops(k, ms) for k, ms in measured.items() if " ms" not in k}
     return dict(
         workload=spec.name, head_dim=dim, heads=w.heads, heads_kv=w.heads_kv, causal=spec.causal,
         batch=w.len_q.numel(), tokens_q=int(w.len_q.sum()), tokens_k=int(w.len_k.sum()), max_q=w.max_q,
-        max_k=w.max_k, flops=w.flops, ms=measured, tflops=tflops,
+        max_k=w.max_k, flops=w.flops, ms=measured, ms_spread=spread, rounds=args.rounds, tflops=tflops,
     )
 
 

@@ -96,3 +96,16 @@ def test_plot_reads_old_and_new_json(tmp_path):
                rows=[dict(workload="w", head_dim=128, tflops={"ours": 1.0, "fa4": 2.0, "ours bwd": 1.0})])
     bench.plot(new, tmp_path / "new.png")
     assert (tmp_path / "old.png").stat().st_size and (tmp_path / "new.png").stat().st_size
+
+
+def test_rounds_combine_to_each_columns_median_and_spread():
+    """``--rounds``: a column's ms is the median of the passes that measured it, with its fastest and
+    slowest pass; a column one pass lacks (a peer that failed once) keeps the others'."""
+    rounds = [{"fast step": 57.8, "fa4 step": 53.6}, {"fast step": 65.2, "fa4 step": 53.9},
+              {"fast step": 57.9}]
+    ms, spread = bench.combined_rounds(rounds)
+    assert ms == {"fast step": 57.9, "fa4 step": (53.6 + 53.9) / 2}
+    assert spread == {"fast step": [57.8, 65.2], "fa4 step": [53.6, 53.9]}
+    assert bench.parse_args(["--rounds", "3"]).rounds == 3 and bench.parse_args([]).rounds == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
