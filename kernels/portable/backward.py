@@ -15,11 +15,11 @@ too). One program per tile and no warp specialization: this is what the CPU inte
 what runs on GPUs without a Gluon kernel of ours (sm_89: e4m3 ``mma.sync``).
 """
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon._runtime import constexpr_function
+from triton.language.core import _aggregate as aggregate  # Triton 3.6 does not export it yet
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import bounds, fp8
@@ -71,27 +71,57 @@ def _visible(n, m, len_k, diagonal, CAUSAL: tl.constexpr):
     return visible
 
 
+@aggregate
+class KeySources:
+    """Where key tiles come from: K and V on the feature axis (e4m3 ``[total_k, Hkv, D]`` or bf16 MX
+    values) with their per-token scales (fp32 ``[Hkv, total_k]``), and K^T on the sequence axis (e4m3
+    ``[Hkv, D, padded_k]``)."""
+    k: tl.tensor
+    k_scale: tl.tensor
+    kt: tl.tensor
+    v: tl.tensor
+    v_scale: tl.tensor
+
+    @constexpr_function
+    def __init__(self, k, k_scale, kt, v, v_scale):
+        self.k, self.k_scale, self.kt, self.v, self.v_scale = k, k_scale, kt, v, v_scale
+
+
+@aggregate
+class KeyTile:
+    """One key tile in registers: K ``[BLOCK_N, D]`` and V with their per-token scales, K^T ``[D,
+    BLOCK_N]``, and the keys' indices in their sequence (``n_idx``); zeros past the sequence's end."""
+    k: tl.tensor
+    k_scale: tl.tensor
+    v: tl.tensor
+    v_scale: tl.tensor
+    kt: tl.tensor
+    n_idx: tl.tensor
+
+    @constexpr_function
+    def __init__(self, k, k_scale, v, v_scale, kt, n_idx):
+        self.k, self.k_scale, self.v, self.v_scale, self.kt, self.n_idx = k, k_scale, v, v_scale, kt, n_idx
+
+
 @triton.jit
 def _load_kv_tile(
-    k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
-    total_k, padded_k,
+    src, b, kv_head, k_start, len_k, n_start, total_k, padded_k,
     HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Key tile ``[BLOCK_N, D]`` with its per-token scales, value tile and scales, and the
-    transposed sequence-axis key tile ``[D, BLOCK_N]``; zeros past ``len_k``."""
+    """The :class:`KeyTile` of keys ``n_start`` to ``n_start + BLOCK_N`` of ``src`` (a :class:`KeySources`)."""
     n_idx = n_start + tl.arange(0, BLOCK_N)
     n_in = n_idx < len_k
     channels = tl.arange(0, HEAD_DIM)
     natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
     scales = kv_head * total_k + k_start + n_idx
-    k = tl.load(k_ptr + natural, mask=n_in[:, None], other=0.0)
-    k_scale = tl.load(k_scale_ptr + scales, mask=n_in, other=0.0)
-    v = tl.load(v_ptr + natural, mask=n_in[:, None], other=0.0)
-    v_scale = tl.load(v_scale_ptr + scales, mask=n_in, other=0.0)
+    k = tl.load(src.k + natural, mask=n_in[:, None], other=0.0)
+    k_scale = tl.load(src.k_scale + scales, mask=n_in, other=0.0)
+    v = tl.load(src.v + natural, mask=n_in[:, None], other=0.0)
+    v_scale = tl.load(src.v_scale + scales, mask=n_in, other=0.0)
     rows = (kv_head * HEAD_DIM + channels).to(tl.int64)
     columns = padded_seq_start(k_start, b) + n_idx
-    kt = tl.load(kt_ptr + rows[:, None] * padded_k + columns[None, :])
-    return k, k_scale, v, v_scale, kt
+    kt = tl.load(src.kt + rows[:, None] * padded_k + columns[None, :])
+    return KeyTile(k, k_scale, v, v_scale, kt, n_idx)
 
 
 @triton.jit
@@ -103,16 +133,36 @@ def _in_values(product, operand, token_factors):
     return product * token_factors
 
 
+@aggregate
+class QueryHead:
+    """One query head's operands in a dK/dV program, each pointer at its sequence's first row: Q and dO
+    (natural rows of ``Hq * D``) with their token scales, Q^T and dO^T (transposed, padded columns), lse2,
+    Delta, and dQ's fp32 accumulator (natural rows)."""
+    q: tl.tensor
+    q_scale: tl.tensor
+    qt: tl.tensor
+    do: tl.tensor
+    do_scale: tl.tensor
+    dot: tl.tensor
+    lse2: tl.tensor
+    delta: tl.tensor
+    dq: tl.tensor
+
+    @constexpr_function
+    def __init__(self, q, q_scale, qt, do, do_scale, dot, lse2, delta, dq):
+        self.q, self.q_scale, self.qt, self.do, self.do_scale, self.dot = q, q_scale, qt, do, do_scale, dot
+        self.lse2, self.delta, self.dq = lse2, delta, dq
+
+
 @triton.jit
 def _dkdv_step(
-    dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
-    q_ptr, q_scale_ptr, qt_ptr, do_ptr, do_scale_ptr, dot_ptr, lse2_ptr, delta_ptr, dq_ptr, dq_desc, dq_row, dq_col,
-    dq_channel_scale, len_q, len_k, diagonal, padded_q, qk_log2,
+    dk_acc, dv_acc, ds_byte, key, head, m_start, dq_desc, dq_row, dq_col, dq_channel_scale, len_q, len_k, diagonal,
+    padded_q, qk_log2,
     HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """One query tile against the program's key tile; every pointer is already at (sequence, head).
+    """One query tile of ``head`` (a :class:`QueryHead`) against the program's ``key`` tile (a :class:`KeyTile`).
 
     Rows past ``len_q`` load as zeros with lse2 = +inf, so their P is 0 without a mask; MASKED
     adds the key-bound and causal masks for the tiles that need them. dS is quantized times
@@ -126,36 +176,36 @@ def _dkdv_step(
     natural = m_idx[:, None] * (HEADS_Q * HEAD_DIM) + channels[None, :]
     transposed = channels[:, None].to(tl.int64) * padded_q + m_idx[None, :]
 
-    q = tl.load(q_ptr + natural, mask=m_in[:, None], other=0.0)
-    q_scale = tl.load(q_scale_ptr + m_idx, mask=m_in, other=0.0)
-    lse2 = tl.load(lse2_ptr + m_idx, mask=m_in, other=float("inf"))
-    token_scales = k_scale[:, None] * q_scale[None, :]
-    s_t = _in_values(tl.dot(k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
+    q = tl.load(head.q + natural, mask=m_in[:, None], other=0.0)
+    q_scale = tl.load(head.q_scale + m_idx, mask=m_in, other=0.0)
+    lse2 = tl.load(head.lse2 + m_idx, mask=m_in, other=float("inf"))
+    token_scales = key.k_scale[:, None] * q_scale[None, :]
+    s_t = _in_values(tl.dot(key.k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
     p_t = tl.exp2(s_t * qk_log2 - lse2[None, :])
     if MASKED:
-        p_t = tl.where(_visible(n_idx[:, None], m_idx[None, :], len_k, diagonal, CAUSAL), p_t, 0.0)
+        p_t = tl.where(_visible(key.n_idx[:, None], m_idx[None, :], len_k, diagonal, CAUSAL), p_t, 0.0)
 
     p8_t = fp8.to_e4m3(p_t * P_SCALE, INTERPRET)
     scaled_p_t = p_t * token_scales  # dS is formed with the token scales folded in
-    do_t = tl.load(dot_ptr + transposed)
+    do_t = tl.load(head.dot + transposed)
     dv_acc = tl.dot(p8_t, tl.trans(do_t), dv_acc)
 
-    do = tl.load(do_ptr + natural, mask=m_in[:, None], other=0.0)
-    do_scale = tl.load(do_scale_ptr + m_idx, mask=m_in, other=0.0)
-    delta = tl.load(delta_ptr + m_idx, mask=m_in, other=0.0)
-    dp_t = _in_values(tl.dot(v, tl.trans(do), max_num_imprecise_acc=SCORE_ACC_STEP), do,
-                      v_scale[:, None] * do_scale[None, :])
+    do = tl.load(head.do + natural, mask=m_in[:, None], other=0.0)
+    do_scale = tl.load(head.do_scale + m_idx, mask=m_in, other=0.0)
+    delta = tl.load(head.delta + m_idx, mask=m_in, other=0.0)
+    dp_t = _in_values(tl.dot(key.v, tl.trans(do), max_num_imprecise_acc=SCORE_ACC_STEP), do,
+                      key.v_scale[:, None] * do_scale[None, :])
     ds8_t, ds_byte, rescale = _quantize_running(scaled_p_t * (dp_t - delta[None, :]), ds_byte, INTERPRET)
 
-    q_t = tl.load(qt_ptr + transposed)
+    q_t = tl.load(head.qt + transposed)
     dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
     if ACCUMULATE_DQ:
-        dq = tl.dot(tl.trans(ds8_t), tl.trans(kt)) * (dq_channel_scale * scale_value(ds_byte))[None, :]
+        dq = tl.dot(tl.trans(ds8_t), tl.trans(key.kt)) * (dq_channel_scale * scale_value(ds_byte))[None, :]
         dq = dq * scale_inverse(q_scale)[:, None]
         if TMA_REDUCE:  # one bulk reduce-add of the tile; rows past len_q add zeros
             dq_desc.atomic_add([dq_row + m_start.to(tl.int32), dq_col], dq)
         else:
-            tl.atomic_add(dq_ptr + natural, dq, mask=m_in[:, None], sem="relaxed")
+            tl.atomic_add(head.dq + natural, dq, mask=m_in[:, None], sem="relaxed")
     return dk_acc, dv_acc, ds_byte
 
 
@@ -193,10 +243,8 @@ def _dkdv_kernel(
     n_in = n_idx < len_k
     channels = tl.arange(0, HEAD_DIM)
     kv_natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
-    k, k_scale, v, v_scale, kt = _load_kv_tile(
-        k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
-        total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N,
-    )
+    key = _load_kv_tile(KeySources(k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr), b, kv_head, k_start, len_k,
+                        n_start, total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N)
     sequence_scales = (kv_head * batch + b) * HEAD_DIM + channels
     dq_channel_scale = tl.load(kt_scale_ptr + sequence_scales) * softmax_scale
 
@@ -221,20 +269,20 @@ def _dkdv_kernel(
         q_off = q_start * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
         scale_off = h * total_q + q_start
         t_off = tl.cast(h * HEAD_DIM, tl.int64) * padded_q + padded_q_start
+        head = QueryHead(q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off,
+                         do_scale_ptr + scale_off, dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off,
+                         dq_ptr + q_off)
         for phase in tl.static_range(2):  # the masked query tiles, then the fully visible ones
             for m_start in tl.range(m_lo if phase == 0 else m_full, m_full if phase == 0 else m_end, BLOCK_M):
                 dk_acc, dv_acc, ds_byte = _dkdv_step(
-                    dk_acc, dv_acc, ds_byte, k, k_scale, v, v_scale, kt, n_idx, m_start,
-                    q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off, do_scale_ptr + scale_off,
-                    dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off, dq_ptr + q_off,
-                    dq_desc, q_start.to(tl.int32), h * HEAD_DIM, dq_channel_scale,
-                    len_q, len_k, diagonal, padded_q, softmax_scale * LOG2E,
+                    dk_acc, dv_acc, ds_byte, key, head, m_start, dq_desc, q_start.to(tl.int32), h * HEAD_DIM,
+                    dq_channel_scale, len_q, len_k, diagonal, padded_q, softmax_scale * LOG2E,
                     HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, TMA_REDUCE,
                     INTERPRET,
                 )
     dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (scale_value(ds_byte) * softmax_scale)
     dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
-    dk = dk_acc * dk_scale[None, :] * scale_inverse(k_scale)[:, None]
+    dk = dk_acc * dk_scale[None, :] * scale_inverse(key.k_scale)[:, None]
     tl.store(dk_ptr + kv_natural, dk.to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
     tl.store(dv_ptr + kv_natural, (dv_acc * dv_scale[None, :]).to(dv_ptr.dtype.element_ty), mask=n_in[:, None])
 
@@ -245,29 +293,24 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_step(
     dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
-    k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
-    total_k, padded_k, diagonal, qk_log2,
+    keys, b, kv_head, k_start, len_k, total_k, padded_k, diagonal, qk_log2,
     HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One key tile against the program's query tile: ``dq_acc += dS K`` in units of the K
     sequence scales times the running dS scale times the query's token scale (dS is quantized
-    times the token scales, as in :func:`_dkdv_step`)."""
-    k, k_scale, v, v_scale, kt = _load_kv_tile(
-        k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k, n_start,
-        total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N,
-    )
-    token_scales = q_scale[:, None] * k_scale[None, :]
-    p = tl.exp2(_in_values(tl.dot(q, tl.trans(k), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales) * qk_log2
-                - lse2[:, None])
+    times the token scales, as in :func:`_dkdv_step`); ``keys``: a :class:`KeySources`."""
+    key = _load_kv_tile(keys, b, kv_head, k_start, len_k, n_start, total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+    token_scales = q_scale[:, None] * key.k_scale[None, :]
+    p = tl.exp2(_in_values(tl.dot(q, tl.trans(key.k), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
+                * qk_log2 - lse2[:, None])
     if MASKED:
-        n_idx = n_start + tl.arange(0, BLOCK_N)
-        p = tl.where(_visible(n_idx[None, :], m_idx[:, None], len_k, diagonal, CAUSAL), p, 0.0)
+        p = tl.where(_visible(key.n_idx[None, :], m_idx[:, None], len_k, diagonal, CAUSAL), p, 0.0)
     scaled_p = p * token_scales  # dS is formed with the token scales folded in
-    dp = _in_values(tl.dot(do, tl.trans(v), max_num_imprecise_acc=SCORE_ACC_STEP), do,
-                    do_scale[:, None] * v_scale[None, :])
+    dp = _in_values(tl.dot(do, tl.trans(key.v), max_num_imprecise_acc=SCORE_ACC_STEP), do,
+                    do_scale[:, None] * key.v_scale[None, :])
     ds8, ds_byte, rescale = _quantize_running(scaled_p * (dp - delta[:, None]), ds_byte, INTERPRET)
-    return tl.dot(ds8, tl.trans(kt), dq_acc * rescale), ds_byte
+    return tl.dot(ds8, tl.trans(key.kt), dq_acc * rescale), ds_byte
 
 
 @triton.jit
@@ -313,12 +356,12 @@ def _dq_kernel(
         n_full = bounds.keys_seen_below(m_start + 1, len_k, diagonal) // BLOCK_N * BLOCK_N
     dq_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     ds_byte = SMALLEST_NORMAL_BYTE
+    keys = KeySources(k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr)
     for phase in tl.static_range(2):  # the fully visible key tiles, then the masked ones
         for n_start in tl.range(0 if phase == 0 else n_full, n_full if phase == 0 else n_end, BLOCK_N):
             dq_acc, ds_byte = _dq_step(
-                dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
-                k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr, b, kv_head, k_start, len_k,
-                total_k, padded_k, diagonal, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
+                dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start, keys, b, kv_head, k_start,
+                len_k, total_k, padded_k, diagonal, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
                 SCORE_ACC_STEP, INTERPRET,
             )
     k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)
