@@ -389,6 +389,8 @@ def tile_config(device: torch.device) -> dict:
 
 
 def check_inputs(dout, q, k, v, out, lse, dlse):
+    """ValueError unless the backward's tensors have the shapes :func:`attention_backward` documents (both
+    backwards check them: the kernels index by these shapes)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
             f"expected q/dout/out [total_q, Hq, D] and k/v [total_k, Hkv, D], got q {tuple(q.shape)}, "
