@@ -22,6 +22,10 @@ LOG2E = tl.constexpr(1.0 / math.log(2.0))
 LN2 = tl.constexpr(math.log(2.0))
 P_STATIC_EXP = tl.constexpr(mx_format.P_STATIC_EXP)  # P is cast to e4m3 as P * 2^P_STATIC_EXP
 P_SCALE = tl.constexpr(2.0**mx_format.P_STATIC_EXP)
+FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
+# How the attention kernels compute S (and the backward's dP): FP8 MMA on the rebased e4m3 operands, or a
+# bf16 MMA on the exact MX values (fp32 accumulation: exact S).
+SCORE_MODES = ("fp8", "bf16")
 
 
 def pv_key_slot(key):

@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import bounds, fp8
 from ..producers import backward_passes
+from . import HEAD_DIMS
 from ..common.layout import (
     LOG2E,
     P_SCALE,
@@ -41,7 +42,6 @@ from ..common.layout import (
 # fp32) are promoted to fp32 after every 32-wide k step: measured closer to the reference on peaked
 # inputs and not slower (docs/perf-history.md), so it is the GPU default.
 PRECISE_ACC_STEP = 32
-HEAD_DIMS = (64, 128)
 
 
 # ----------------------------------------------------------------------------- scale helpers
@@ -239,10 +239,7 @@ def _dkdv_kernel(
     if n_start >= len_k:
         return
     diagonal = bounds.diagonal(len_q, len_k)
-    n_idx = n_start + tl.arange(0, BLOCK_N)
-    n_in = n_idx < len_k
     channels = tl.arange(0, HEAD_DIM)
-    kv_natural = (k_start + n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
     key = _load_kv_tile(KeySources(k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr), b, kv_head, k_start, len_k,
                         n_start, total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N)
     sequence_scales = (kv_head * batch + b) * HEAD_DIM + channels
@@ -283,6 +280,8 @@ def _dkdv_kernel(
     dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (scale_value(ds_byte) * softmax_scale)
     dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
     dk = dk_acc * dk_scale[None, :] * scale_inverse(key.k_scale)[:, None]
+    kv_natural = (k_start + key.n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
+    n_in = key.n_idx < len_k
     tl.store(dk_ptr + kv_natural, dk.to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
     tl.store(dv_ptr + kv_natural, (dv_acc * dv_scale[None, :]).to(dv_ptr.dtype.element_ty), mask=n_in[:, None])
 
@@ -388,23 +387,6 @@ def tile_config(device: torch.device) -> dict:
     return dict(block_m=64, block_n=128, precise_scores=True, tma_reduce=tma, num_warps=8, num_stages=3)
 
 
-def check_inputs(dout, q, k, v, out, lse, dlse):
-    """ValueError unless the backward's tensors have the shapes :func:`attention_backward` documents (both
-    backwards check them: the kernels index by these shapes)."""
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
-        raise ValueError(
-            f"expected q/dout/out [total_q, Hq, D] and k/v [total_k, Hkv, D], got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}, dout {tuple(dout.shape)}, out {tuple(out.shape)}"
-        )
-    if q.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2]:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for q and k, got {q.shape[2]} and {k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    for name, t in (("lse", lse), ("dlse", dlse)):
-        if t is not None and tuple(t.shape) != tuple(q.shape[:2]):
-            raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
-
-
 def _shape_constants(prep, block_m, block_n, causal, precise_scores, num_warps, num_stages):
     return dict(HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim, BLOCK_M=block_m,
                 BLOCK_N=block_n, CAUSAL=causal, SCORE_ACC_STEP=PRECISE_ACC_STEP if precise_scores else None,
@@ -491,7 +473,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     computes dQ in a separate kernel per query tile that loops over its key tiles in order:
     bit-identical results, at the price of recomputing S and dP there (docs/perf-history.md).
     """
-    check_inputs(dout, q, k, v, out, lse, dlse)
+    backward_passes.check_inputs(dout, q, k, v, out, lse, dlse, HEAD_DIMS)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
                   softmax_scale=softmax_scale, deterministic=deterministic, dlse=dlse, tiles=tiles)

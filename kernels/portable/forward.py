@@ -29,6 +29,8 @@ import triton.language as tl
 from jagged_attn.mxfp8 import MXFP8Jagged, checked_after, largest_magnitudes
 
 from ..common import bounds, fp8, layout
+from ..common.layout import FINITE_FLOOR, SCORE_MODES
+from . import HEAD_DIMS  # noqa: F401  (the backend table reads it here)
 from ..producers.rebase import (
     dequantized_feature_rows,
     kept_rebase_kv,
@@ -38,19 +40,15 @@ from ..producers.rebase import (
 )
 from ..common.schedule import work_list
 
-SCORE_MODES = ("fp8", "bf16")
-HEAD_DIMS = (64, 128)
-FINITE_FLOOR = tl.constexpr(-1.0e30)  # initial row maximum: finite, so exp2(m_old - m_new) never sees inf - inf
-
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
-    """Block sizes, warps and pipeline depth (the best of a sweep, docs/perf-history.md): one
-    warpgroup per program, two programs per SM (254 registers, 104 KiB of shared memory at d128).
+    """Block sizes, warps and pipeline depth (the best of a sweep on an H200, docs/perf-history.md; sm_89
+    takes the same): one warpgroup per program.
 
-    SCORES picks how S = Q K^T is computed: "fp8" is FP8 wgmma with its fast accumulation over all
-    of D; "bf16" upcasts the e4m3 operands (exactly) and runs a bf16 wgmma, so S is exact up to fp32
-    accumulation, at half the MMA rate for this product (bf16 K tiles take twice the shared memory: two
-    stages at d128). Measured with ``scripts/fwd_precision.py`` (docs/perf-history.md)."""
+    SCORES (``layout.SCORE_MODES``) picks how S = Q K^T is computed: "fp8" is an FP8 MMA with its fast
+    accumulation over all of D; "bf16" upcasts the e4m3 operands (exactly) and runs a bf16 MMA, so S is
+    exact up to fp32 accumulation, at half the MMA rate for this product (bf16 K tiles take twice the
+    shared memory: two stages at d128). Measured with ``scripts/fwd_precision.py`` (docs/perf-history.md)."""
     if scores not in SCORE_MODES:
         raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
     stages = 2 if scores == "bf16" and head_dim > 64 else 3

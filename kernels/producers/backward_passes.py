@@ -217,6 +217,23 @@ def _finish_dq_kernel(
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=in_seq[:, None])
 
 
+def check_inputs(dout, q, k, v, out, lse, dlse, head_dims) -> None:
+    """ValueError unless a backward's tensors have the shapes its ``attention_backward`` documents, with a
+    head_dim in ``head_dims`` (its kernels'): the kernels index by these shapes."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"expected q/dout/out [total_q, Hq, D] and k/v [total_k, Hkv, D], got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, dout {tuple(dout.shape)}, out {tuple(out.shape)}"
+        )
+    if q.shape[2] not in head_dims or k.shape[2] != q.shape[2]:
+        raise ValueError(f"head_dim must be one of {head_dims} for q and k, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and tuple(t.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
+
+
 class _Quantized:
     """What the producer wrote for one tensor (unrequested fields stay None)."""
 

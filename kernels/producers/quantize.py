@@ -29,10 +29,10 @@ from jagged_attn.scale_layout import TILE_ROWS, tiled_bytes
 
 from ..common import fp8, layout
 from ..common.interpreter import INTERPRETED
-from ..common.schedule import claimed_tile, slot_tiles
+from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
 TILE_TOKENS = TILE_ROWS  # tokens per program: one scale row tile (feature) / column tile (sequence)
-_SLOT_TOKENS = tl.constexpr(TILE_TOKENS)  # a global read inside a kernel must be a constexpr instance
+_SLOT_TOKENS = tl.constexpr(SLOT_TOKENS)  # the slot table's tokens per slot; a kernel reads globals as constexprs
 WIDEST_VECTOR = tl.constexpr(16)  # channels per thread Triton gives a tile unless told less: a 128-bit e4m3 store
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 

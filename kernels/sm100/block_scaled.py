@@ -557,7 +557,7 @@ def _check_heads(heads_q: int, heads_kv: int, head_dim: int) -> None:
     if heads_q % heads_kv:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"the exact backend supports head_dim in {HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"backend 'block-scaled' supports head_dim in {HEAD_DIMS}, got {head_dim}")
 
 
 def _check_axis(mx: MXFP8Jagged, axis: str, name: str) -> None:

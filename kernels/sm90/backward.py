@@ -14,8 +14,8 @@ where publishing stores dS (e4m3, queries x keys) in shared memory straight from
 bytes at a time (keys in ``layout.ds_key_slot`` order, which the producer gives K^T too: no
 transpose through shared memory); the default warpgroup then forms the tile's
 dQ partial = dS K over both consumers' keys, 32 columns at a time, and adds it to global memory
-with TMA bulk reduce-adds. So the consumers never wait for each other (v6 coupled them through
-the per-step dS exchange, each computing half of dQ).
+with TMA bulk reduce-adds. So the consumers never wait for each other (an earlier form coupled them
+through the per-step dS exchange, each computing half of dQ).
 
 P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
 shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
@@ -25,8 +25,8 @@ small steps against a large running sum); dV chains (measured accurate enough, a
 short). dQ's fp32 partials are added in L2, in units that ``backward_passes.finish_dq`` scales.
 
 S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
-(``exact_scores``, the default: fp32 accumulation, so S and dP are exact, with no token scales
-left to apply) and from FP8 wgmma
+(``scores="bf16"``, backend ``hopper-exact-scores``: fp32 accumulation, so S and dP are exact, with no
+token scales left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
 outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md).
 Operands, scales and their folding are those of ``producers.backward_passes`` (its docstring
@@ -61,10 +61,21 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
 from ..common import bounds, layout
+from ..common.layout import SCORE_MODES
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
-from ..portable.backward import check_inputs, launch_deterministic_dq
-from ..producers.backward_passes import DO_FACTOR, P_LSE2, Q_DELTA, Q_FACTOR, ROW_VECTORS, Prepared, finish_dq
+from ..portable.backward import launch_deterministic_dq
+from ..producers.backward_passes import (
+    DO_FACTOR,
+    P_LSE2,
+    Q_DELTA,
+    Q_FACTOR,
+    ROW_VECTORS,
+    Prepared,
+    check_inputs,
+    finish_dq,
+)
+from . import HEAD_DIMS
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M
 CONSUMERS = gl.constexpr(2)
@@ -84,8 +95,6 @@ MAX_SCALE_RATIO = gl.constexpr(2.0**100)
 # tile's values (it starts at the smallest normal), 2^126 would overflow fp32; with 2^32, dS' may
 # reach 2^96 (~8e28) before it does.
 DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
-HEAD_DIMS = (64, 128)
-SCORE_MODES = ("bf16", "fp8")  # how S and dP are computed: exact from bf16 wgmma, or FP8 wgmma
 # A [1] tensor whose one value every thread holds (scalars through shared memory).
 EVERY_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
@@ -716,7 +725,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     are added into an fp32 buffer by TMA reduce-adds (the order varies run to run) and scaled by
     ``backward_passes.finish_dq``; ``deterministic=True`` leaves dQ to the portable deterministic
     kernel (bit-identical results, S and dP recomputed there)."""
-    check_inputs(dout, q, k, v, out, lse, dlse)
+    check_inputs(dout, q, k, v, out, lse, dlse, HEAD_DIMS)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
                   softmax_scale=softmax_scale, deterministic=deterministic, scores=scores, dlse=dlse)

@@ -29,6 +29,8 @@ from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon d
 from jagged_attn.mxfp8 import checked_after
 
 from ..common import bounds, fp8, layout
+from ..common.layout import FINITE_FLOOR, SCORE_MODES
+from . import HEAD_DIMS
 from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
@@ -36,10 +38,6 @@ from ..common.tma import operand_descriptor
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONSUMERS = gl.constexpr(2)
 BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
-FINITE_FLOOR = gl.constexpr(-1.0e30)
-
-SCORE_MODES = ("fp8", "bf16")
-HEAD_DIMS = (64, 128)
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
@@ -342,7 +340,7 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
     rebased_q = kept_rebase_feature(q, group=1, exact=exact)
     rebased_kv = kept_rebase_kv(k, v, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER)
     return forward_rebased(*rebased_q, *rebased_kv, q.offsets, k.offsets, causal=causal, softmax_scale=softmax_scale,
-                    out_dtype=out_dtype, config=config)
+                           out_dtype=out_dtype, config=config)
 
 
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
