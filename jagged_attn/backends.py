@@ -177,9 +177,9 @@ def check_kernel_device(name: str, device: torch.device) -> None:
             raise ValueError(f"backend='portable' needs e4m3 MMAs (sm_89 or newer); this GPU is {sm}: "
                              "use 'reference'")
         return
-    if device.type == "cpu" and _interpreting() and name in INTERPRETED_BACKENDS:
-        return  # the Triton CPU interpreter (tests)
-    if device.type == "cpu" and _interpreting():
+    if device.type == "cpu" and _interpreting():  # the Triton CPU interpreter (tests)
+        if name in INTERPRETED_BACKENDS:
+            return
         raise ValueError(f"backend={name!r} runs Gluon kernels, which the Triton CPU interpreter cannot run: "
                          f"use one of {INTERPRETED_BACKENDS} there")
     raise ValueError(f"backend={name!r} needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU); use backend='reference'")

@@ -613,7 +613,8 @@ def parse_args(argv=None):
 def combined_rounds(rounds: list[dict]) -> tuple[dict, dict]:
     """({column: median ms over the rounds that measured it}, {column: [fastest, slowest] ms}) of
     ``rounds``, each a {column: ms} of one pass over every peer."""
-    columns = {name: [r[name] for r in rounds if name in r] for r in rounds for name in r}
+    names = dict.fromkeys(name for r in rounds for name in r)  # every column, in first-seen order
+    columns = {name: [r[name] for r in rounds if name in r] for name in names}
     return ({name: statistics.median(ms) for name, ms in columns.items()},
             {name: [min(ms), max(ms)] for name, ms in columns.items()})
 
