@@ -554,35 +554,41 @@ def test_gluon_descriptors_build_on_the_host():
     e4m3 = torch.float8_e4m3fn
     q, k = torch.zeros(total_q, heads_q, dim, dtype=e4m3), torch.zeros(total_k, heads_kv, dim, dtype=e4m3)
     vt = torch.zeros(heads_kv, dim, 256, dtype=e4m3)
-    descriptors = sm90_forward._descriptors(q, k, vt, block_n)
+    descriptors = [sm90_forward._q_descriptor(q), *sm90_forward._kv_descriptors(k, vt, block_n)]
     assert [d.block_shape for d in descriptors] == [[64, dim], [block_n, dim], [dim, block_n]]
 
 
-@pytest.mark.parametrize("scores, dim", [("fp8", 128), ("bf16", 128), ("fp8", 64)])
-def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
+@pytest.mark.parametrize("scores, dim, from_values", [("fp8", 128, False), ("bf16", 128, False), ("fp8", 64, False),
+                                                      ("fp8", 128, True), ("bf16", 64, True)])
+def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim, from_values):
     """The warp-specialized kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
-    wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg)."""
+    wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg); K and V^T
+    by TMA, Q too unless the consumers quantize it from its values (16-byte loads, no spills)."""
     config = sm90_forward.tile_config(dim, scores)
     qk = torch.float8_e4m3fn if scores == "fp8" else torch.bfloat16
-    descriptors = sm90_forward._descriptors(torch.zeros(64, 8, dim, dtype=qk), torch.zeros(128, 2, dim, dtype=qk),
-                                             torch.zeros(2, dim, 128, dtype=torch.float8_e4m3fn), config["BLOCK_N"])
-    q_desc, k_desc, vt_desc = (descriptor_type(d) for d in descriptors)
+    k_desc, vt_desc = (descriptor_type(d) for d in sm90_forward._kv_descriptors(
+        torch.zeros(128, 2, dim, dtype=qk), torch.zeros(2, dim, 128, dtype=torch.float8_e4m3fn), config["BLOCK_N"]))
+    q_source = "*bf16" if from_values else descriptor_type(sm90_forward._q_descriptor(torch.zeros(64, 8, dim, dtype=qk)))
     signature = dict(
-        q_desc=q_desc, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
+        q_source=q_source, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", nonfinite="*fp32", k_factor="*fp32",
         v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32",
         scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32", total_q="i32", total_k="i32",
     )
-    constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
+    constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, Q_FROM_VALUES=from_values, CHECK_FINITE=from_values,
+                      **config)
     signature.update({name: "constexpr" for name in constexprs})
     ptx, shared = compile_kernel("jagged_attn.kernels.sm90.forward", "_attention_forward_kernel", signature,
-                                 constexprs, arch=90, gluon=True)
+                                 constexprs, arch=90, gluon=True, aligned=("q_source", "out"))
     assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     fp8_mma = [line for line in wgmma if "e4m3.e4m3" in line]
     bf16_mma = [line for line in wgmma if "bf16.bf16" in line]
     assert fp8_mma and len(fp8_mma) + len(bf16_mma) == len(wgmma) and bool(bf16_mma) == (scores == "bf16")
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
-    assert "cp.async.bulk.tensor" in ptx  # TMA loads
+    # K and V^T by the loader; rebased Q by each consumer, or Q's values by plain 16-byte loads
+    assert ptx.count("cp.async.bulk.tensor") >= (2 if from_values else 3)
+    if from_values:
+        assert ptx.count("ld.global.v4") >= 2 and "0 bytes spill stores" in ptxas_report(ptx, 90)
 
 
 @pytest.mark.gpu

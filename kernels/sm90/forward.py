@@ -31,7 +31,8 @@ from jagged_attn.mxfp8 import checked_after
 from ..common import bounds, fp8, layout
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
-from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
+from ..producers.quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
+from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_on_bytes, quantize_rebase_kv
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
@@ -162,10 +163,50 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
     return gl.convert_layout(keys, p_layout, assert_trivial=True)
 
 
+@constexpr_function
+def _value_rows_layout(head_dim):
+    """Registers of a consumer's ``[CONSUMER_ROWS, head_dim]`` Q tile as it quantizes it: each thread
+    holds whole 32-channel MX blocks (block maxima without shuffles), four warps over the rows."""
+    return gl.BlockedLayout([1, 32], [32 // (head_dim // 32), head_dim // 32], [4, 1], [1, 0])
+
+
 @gluon.jit
-def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, tile, scale_log2, batch,
-             CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr, ROW_TREE: gl.constexpr):
+def _stage_quantized_q(q_values, q_smem, nonfinite, q_start, row0, len_q, head,
+                       HEADS_Q: gl.constexpr, D: gl.constexpr, EXACT: gl.constexpr, CHECK_FINITE: gl.constexpr):
+    """This consumer's Q rows read as high-precision values, quantized and rebased as
+    ``rebase.quantize_rebase_feature(group=1)`` does it (rceil MX blocks moved onto each token's largest
+    block exponent; EXACT: the MX values in bf16), stored into ``q_smem`` for the S wgmmas: the token
+    factors ``[CONSUMER_ROWS]`` (1 with EXACT; rows past ``len_q`` hold zeros). CHECK_FINITE: NaN/Inf
+    flagged in ``nonfinite``."""
+    ROWS: gl.constexpr = CONSUMER_ROWS
+    values_layout: gl.constexpr = _value_rows_layout(D)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, values_layout))
+    channels = gl.arange(0, D, layout=gl.SliceLayout(0, values_layout))
+    where = ((q_start + rows).to(gl.int64) * HEADS_Q + head)[:, None] * D + channels[None, :]
+    x = gl.load(q_values + where, mask=(rows < len_q)[:, None], other=0.0).to(gl.float32)
+    blocks = x.reshape([ROWS, D // 32, 32])
+    byte, amax = block_scale_bytes(blocks, (2,), False, False)
+    if CHECK_FINITE:
+        flag_nonfinite(nonfinite, max_keeping_nan(amax, 1, False))
+    mx_values = quantize_on_bytes(blocks, byte[:, :, None], False)
+    if EXACT:
+        q = (mx_values * layout.scale_value(byte)[:, :, None]).reshape([ROWS, D]).to(gl.bfloat16)
+        factor = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, values_layout))
+    else:
+        token_byte = gl.max(byte, axis=1)
+        q = fp8.to_e4m3(mx_values * layout.byte_ratio(byte, token_byte[:, None])[:, :, None], False).reshape([ROWS, D])
+        factor = gl.convert_layout(layout.scale_value(token_byte), gl.SliceLayout(1, values_layout))
+    q_smem.store(q)
+    fence_async_shared()
+    gl.thread_barrier()
+    return factor
+
+
+@gluon.jit
+def _consume(q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, tile, scale_log2,
+             batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr, ROW_TREE: gl.constexpr,
+             Q_FROM_VALUES: gl.constexpr, CHECK_FINITE: gl.constexpr):
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
@@ -183,12 +224,16 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     row0 = rows0 + CONSUMER * ROWS
-    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [(q_start + row0).to(gl.int32), q_col], q_ready, q_smem)
-
     rows = row0 + gl.arange(0, ROWS, layout=s_rows)
     in_seq = rows < len_q
-    row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
+    if Q_FROM_VALUES:
+        q_factors = _stage_quantized_q(q_source, q_smem, nonfinite, q_start, row0, len_q, head, HEADS_Q, D, EXACT,
+                                       CHECK_FINITE)
+        row_scale = gl.convert_layout(q_factors, s_rows) * scale_log2
+    else:
+        mbarrier.expect(q_ready, q_source.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_source, [(q_start + row0).to(gl.int32), q_col], q_ready, q_smem)
+        row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
     diagonal = bounds.diagonal(len_q, len_k)
     # Tiles from the first one some row of this consumer does not fully see need the mask.
     if CAUSAL:
@@ -206,7 +251,8 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
     row_max = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=s_rows)
-    mbarrier.wait(q_ready, 0)
+    if not Q_FROM_VALUES:
+        mbarrier.wait(q_ready, 0)
     for i in range(my_tiles):
         stage = i % STAGES
         phase = (i // STAGES) & 1
@@ -254,12 +300,15 @@ def _consume(q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, 
 
 @gluon.jit
 def _attention_forward_kernel(
-    q_desc, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k, work,
-    scale_log2, q_groups, k_groups, batch,
+    q_source, k_desc, vt_desc, q_factor, nonfinite, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q,
+    total_k, work, scale_log2, q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr, CHECK_FINITE: gl.constexpr,
 ):
+    """``q_source``: Q's TMA descriptor (rebased Q, token factors in ``q_factor``) or, with Q_FROM_VALUES,
+    Q's high-precision values ``[total_q, HEADS_Q, D]``, which the consumers quantize themselves (CHECK_FINITE:
+    NaN/Inf flagged in ``nonfinite``)."""
     # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
     # (sequence, head), which stream the same K and V tiles through L2 (faster on causal batches).
     slot, head = layout.grid_split(HEADS_Q)
@@ -271,7 +320,11 @@ def _attention_forward_kernel(
     q_factor_row = head.to(gl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
     k_factor_row = kv_head.to(gl.int64) * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, CONSUMER_ROWS, D], q_desc.layout)
+    EXACT: gl.constexpr = SCORES == "bf16"
+    q_dtype: gl.constexpr = gl.bfloat16 if EXACT else gl.float8e4nv
+    # The layout of Q's TMA descriptor (``tma.operand_descriptor``) when it is loaded rebased.
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, D], q_dtype)
+    q_smem = gl.allocate_shared_memory(q_dtype, [CONSUMERS, CONSUMER_ROWS, D], q_layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D, BLOCK_N], vt_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -286,16 +339,17 @@ def _attention_forward_kernel(
         mbarrier.init(kv_empty.index(stage), count=CONSUMERS)
     fence_async_shared()
 
-    EXACT: gl.constexpr = SCORES == "bf16"
     vt_col = layout.padded_seq_start(k_start, seq).to(gl.int32)
     kv = KVStages(k_smem, v_smem, k_ready, v_ready, kv_empty)
     tile = QueryTile(seq, head, kv_head, row0, q_start, len_q, len_k, head * D, q_factor_row, k_factor_row, n_tiles)
     gl.warp_specialize(
         [
-            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), kv,
-                        tile, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
-            (_consume, (q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), kv,
-                        tile, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+            (_consume, (q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_smem.index(0),
+                        q_ready.index(0), kv, tile, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
+                        CAUSAL, ROW_TREE, Q_FROM_VALUES, CHECK_FINITE)),
+            (_consume, (q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_smem.index(1),
+                        q_ready.index(1), kv, tile, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
+                        CAUSAL, ROW_TREE, Q_FROM_VALUES, CHECK_FINITE)),
             (_load_kv, (k_desc, vt_desc, kv, k_start.to(gl.int32), kv_head * D, kv_head * D, vt_col, n_tiles,
                         BLOCK_N, STAGES)),
         ],
@@ -304,31 +358,46 @@ def _attention_forward_kernel(
     )
 
 
-def _descriptors(q_rebased: torch.Tensor, k_rebased: torch.Tensor, vt: torch.Tensor, block_n: int):
-    """The kernel's TMA descriptors: Q and K by token rows (``[total, H * D]``), V^T by key columns."""
+def _q_descriptor(q_rebased: torch.Tensor):
+    """The TMA descriptor of rebased Q, by token rows (``[total, H * D]``), a consumer's rows at a time."""
     total_q, heads_q, dim = q_rebased.shape
-    total_k, heads_kv, _ = k_rebased.shape
-    return (operand_descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim]),
-            operand_descriptor(k_rebased.view(total_k, heads_kv * dim), [block_n, dim]),
+    return operand_descriptor(q_rebased.view(total_q, heads_q * dim), [CONSUMER_ROWS.value, dim])
+
+
+def _kv_descriptors(k_rebased: torch.Tensor, vt: torch.Tensor, block_n: int):
+    """The kernel's TMA descriptors of K (by token rows, ``[total, H * D]``) and V^T (by key columns)."""
+    total_k, heads_kv, dim = k_rebased.shape
+    return (operand_descriptor(k_rebased.view(total_k, heads_kv * dim), [block_n, dim]),
             operand_descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, block_n]))
+
+
+def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
+            out_dtype, config, from_values, nonfinite=None):
+    """The kernel on rebased K and V^T and on Q rebased (``q_factor`` its token factors) or, ``from_values``,
+    Q's high-precision values; ``nonfinite`` (fp32 ``[1]``, values only): NaN/Inf in them flagged there."""
+    total_q, heads_q, dim = q.shape
+    total_k, heads_kv, _ = k_rebased.shape
+    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q.device)
+    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
+    work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
+    if work.shape[0]:
+        q_factor = k_factor if from_values else q_factor  # any fp32 tensor: not read from values
+        _attention_forward_kernel[(work.shape[0] * heads_q,)](
+            q if from_values else _q_descriptor(q), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor,
+            k_factor if nonfinite is None else nonfinite, k_factor, v_exponent, out, lse, offsets_q, offsets_k,
+            total_q, total_k, work, softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
+            offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal,
+            Q_FROM_VALUES=from_values, CHECK_FINITE=nonfinite is not None,
+            num_warps=4, **config,
+        )
+    return out, lse
 
 
 def forward_rebased(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal,
                     softmax_scale, out_dtype, config):
     """The kernel on rebased Q, K (``rebase_feature``: per token / per ``BLOCK_N`` tile) and V^T."""
-    total_q, heads_q, dim = q_rebased.shape
-    total_k, heads_kv, _ = k_rebased.shape
-    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q_rebased.device)
-    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q_rebased.device)
-    work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
-    if work.shape[0]:
-        _attention_forward_kernel[(work.shape[0] * heads_q,)](
-            *_descriptors(q_rebased, k_rebased, vt, config["BLOCK_N"]),
-            q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k, work,
-            softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal, num_warps=4, **config,
-        )
-    return out, lse
+    return _launch(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
+                   softmax_scale=softmax_scale, out_dtype=out_dtype, config=config, from_values=False)
 
 
 def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16, scores="fp8"):
@@ -351,10 +420,10 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
     flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v
-    rebased_q = quantize_rebase_feature(q, offsets_q, group=1, exact=exact,
-                                        nonfinite=None if flags is None else flags[:1])
-    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
-                                    nonfinite=None if flags is None else flags[1:])
-    return checked_after(flags, ("q", "k", "v"), lambda: forward_rebased(
-        *rebased_q, *rebased_kv, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-        out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))
+    k_rebased, k_factor, vt, v_exponent = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact,
+                                                              v_order=layout.PV_ORDER,
+                                                              nonfinite=None if flags is None else flags[1:])
+    return checked_after(flags, ("q", "k", "v"), lambda: _launch(
+        q.contiguous(), None, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
+        softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype, config=config,
+        from_values=True, nonfinite=None if flags is None else flags[:1]))
