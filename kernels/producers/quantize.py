@@ -56,8 +56,7 @@ def flag_nonfinite(nonfinite, magnitudes):
     """The producers' NaN/Inf flag: store each of fp32 ``magnitudes`` (|x| maxima, any shape) that is
     NaN or +Inf into ``nonfinite`` (fp32 ``[1]`` holding 0). A masked store, almost always masked off:
     no atomics, and which non-finite value lands does not matter."""
-    finite = magnitudes <= FLOAT32_MAX
-    tl.store(nonfinite + tl.where(finite, 0, 0), magnitudes, mask=~finite)  # (where: zeros in any layout, Gluon's too)
+    tl.store(nonfinite + tl.zeros_like(magnitudes).to(tl.int32), magnitudes, mask=~(magnitudes <= FLOAT32_MAX))
 
 
 @triton.jit

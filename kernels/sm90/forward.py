@@ -26,12 +26,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
-from jagged_attn.mxfp8 import checked_after
+from jagged_attn.mxfp8 import checked_after, max_magnitude
 
 from ..common import bounds, fp8, layout
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
-from ..producers.quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
+from ..producers.quantize import block_scale_bytes
 from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_on_bytes, quantize_rebase_kv
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
@@ -171,13 +171,12 @@ def _value_rows_layout(head_dim):
 
 
 @gluon.jit
-def _stage_quantized_q(q_values, q_smem, nonfinite, q_start, row0, len_q, head,
-                       HEADS_Q: gl.constexpr, D: gl.constexpr, EXACT: gl.constexpr, CHECK_FINITE: gl.constexpr):
+def _stage_quantized_q(q_values, q_smem, q_start, row0, len_q, head,
+                       HEADS_Q: gl.constexpr, D: gl.constexpr, EXACT: gl.constexpr):
     """This consumer's Q rows read as high-precision values, quantized and rebased as
     ``rebase.quantize_rebase_feature(group=1)`` does it (rceil MX blocks moved onto each token's largest
     block exponent; EXACT: the MX values in bf16), stored into ``q_smem`` for the S wgmmas: the token
-    factors ``[CONSUMER_ROWS]`` (1 with EXACT; rows past ``len_q`` hold zeros). CHECK_FINITE: NaN/Inf
-    flagged in ``nonfinite``."""
+    factors ``[CONSUMER_ROWS]`` (1 with EXACT; rows past ``len_q`` hold zeros)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     values_layout: gl.constexpr = _value_rows_layout(D)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, values_layout))
@@ -185,9 +184,7 @@ def _stage_quantized_q(q_values, q_smem, nonfinite, q_start, row0, len_q, head,
     where = ((q_start + rows).to(gl.int64) * HEADS_Q + head)[:, None] * D + channels[None, :]
     x = gl.load(q_values + where, mask=(rows < len_q)[:, None], other=0.0).to(gl.float32)
     blocks = x.reshape([ROWS, D // 32, 32])
-    byte, amax = block_scale_bytes(blocks, (2,), False, False)
-    if CHECK_FINITE:
-        flag_nonfinite(nonfinite, max_keeping_nan(amax, 1, False))
+    byte, _ = block_scale_bytes(blocks, (2,), False, False)
     mx_values = quantize_on_bytes(blocks, byte[:, :, None], False)
     if EXACT:
         q = (mx_values * layout.scale_value(byte)[:, :, None]).reshape([ROWS, D]).to(gl.bfloat16)
@@ -203,10 +200,10 @@ def _stage_quantized_q(q_values, q_smem, nonfinite, q_start, row0, len_q, head,
 
 
 @gluon.jit
-def _consume(q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, tile, scale_log2,
+def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, tile, scale_log2,
              batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr, ROW_TREE: gl.constexpr,
-             Q_FROM_VALUES: gl.constexpr, CHECK_FINITE: gl.constexpr):
+             Q_FROM_VALUES: gl.constexpr):
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
@@ -227,8 +224,7 @@ def _consume(q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_sm
     rows = row0 + gl.arange(0, ROWS, layout=s_rows)
     in_seq = rows < len_q
     if Q_FROM_VALUES:
-        q_factors = _stage_quantized_q(q_source, q_smem, nonfinite, q_start, row0, len_q, head, HEADS_Q, D, EXACT,
-                                       CHECK_FINITE)
+        q_factors = _stage_quantized_q(q_source, q_smem, q_start, row0, len_q, head, HEADS_Q, D, EXACT)
         row_scale = gl.convert_layout(q_factors, s_rows) * scale_log2
     else:
         mbarrier.expect(q_ready, q_source.block_type.nbytes)
@@ -300,15 +296,14 @@ def _consume(q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_sm
 
 @gluon.jit
 def _attention_forward_kernel(
-    q_source, k_desc, vt_desc, q_factor, nonfinite, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q,
-    total_k, work, scale_log2, q_groups, k_groups, batch,
+    q_source, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k,
+    work, scale_log2, q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr, CHECK_FINITE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr,
 ):
     """``q_source``: Q's TMA descriptor (rebased Q, token factors in ``q_factor``) or, with Q_FROM_VALUES,
-    Q's high-precision values ``[total_q, HEADS_Q, D]``, which the consumers quantize themselves (CHECK_FINITE:
-    NaN/Inf flagged in ``nonfinite``)."""
+    Q's high-precision values ``[total_q, HEADS_Q, D]``, which the consumers quantize themselves."""
     # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
     # (sequence, head), which stream the same K and V tiles through L2 (faster on causal batches).
     slot, head = layout.grid_split(HEADS_Q)
@@ -344,12 +339,12 @@ def _attention_forward_kernel(
     tile = QueryTile(seq, head, kv_head, row0, q_start, len_q, len_k, head * D, q_factor_row, k_factor_row, n_tiles)
     gl.warp_specialize(
         [
-            (_consume, (q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_smem.index(0),
-                        q_ready.index(0), kv, tile, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL, ROW_TREE, Q_FROM_VALUES, CHECK_FINITE)),
-            (_consume, (q_source, q_factor, nonfinite, k_factor, v_exponent, out, lse, q_smem.index(1),
-                        q_ready.index(1), kv, tile, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL, ROW_TREE, Q_FROM_VALUES, CHECK_FINITE)),
+            (_consume, (q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), kv,
+                        tile, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE,
+                        Q_FROM_VALUES)),
+            (_consume, (q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), kv,
+                        tile, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE,
+                        Q_FROM_VALUES)),
             (_load_kv, (k_desc, vt_desc, kv, k_start.to(gl.int32), kv_head * D, kv_head * D, vt_col, n_tiles,
                         BLOCK_N, STAGES)),
         ],
@@ -372,9 +367,9 @@ def _kv_descriptors(k_rebased: torch.Tensor, vt: torch.Tensor, block_n: int):
 
 
 def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
-            out_dtype, config, from_values, nonfinite=None):
+            out_dtype, config, from_values):
     """The kernel on rebased K and V^T and on Q rebased (``q_factor`` its token factors) or, ``from_values``,
-    Q's high-precision values; ``nonfinite`` (fp32 ``[1]``, values only): NaN/Inf in them flagged there."""
+    Q's high-precision values."""
     total_q, heads_q, dim = q.shape
     total_k, heads_kv, _ = k_rebased.shape
     out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q.device)
@@ -384,10 +379,10 @@ def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets
         q_factor = k_factor if from_values else q_factor  # any fp32 tensor: not read from values
         _attention_forward_kernel[(work.shape[0] * heads_q,)](
             q if from_values else _q_descriptor(q), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor,
-            k_factor if nonfinite is None else nonfinite, k_factor, v_exponent, out, lse, offsets_q, offsets_k,
+            k_factor, v_exponent, out, lse, offsets_q, offsets_k,
             total_q, total_k, work, softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
             offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal,
-            Q_FROM_VALUES=from_values, CHECK_FINITE=nonfinite is not None,
+            Q_FROM_VALUES=from_values,
             num_warps=4, **config,
         )
     return out, lse
@@ -415,15 +410,17 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
                          scores="fp8", check_finite=False):
     """Like :func:`attention_forward` for bf16/fp16 q, k, v (``portable.forward.attention_forward_hp``'s
-    arguments), each quantized and rebased in one pass, which with ``check_finite`` also flags NaN/Inf in
-    them for the check."""
+    arguments): K and V quantized and rebased in one pass, Q by the kernel's consumers as they load it.
+    With ``check_finite`` the K/V pass flags NaN/Inf in k and v, and one read of q (the consumers do not
+    check what they quantize) flags q's, for the check."""
     config = tile_config(q.shape[-1], scores)
-    exact = scores == "bf16"
-    flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v
-    k_rebased, k_factor, vt, v_exponent = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact,
-                                                              v_order=layout.PV_ORDER,
+    flags = None
+    if check_finite:  # q, k, v
+        flags = torch.cat([max_magnitude(q).to(torch.float32).reshape(1), q.new_zeros(2, dtype=torch.float32)])
+    k_rebased, k_factor, vt, v_exponent = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"],
+                                                              exact=scores == "bf16", v_order=layout.PV_ORDER,
                                                               nonfinite=None if flags is None else flags[1:])
     return checked_after(flags, ("q", "k", "v"), lambda: _launch(
         q.contiguous(), None, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
         softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype, config=config,
-        from_values=True, nonfinite=None if flags is None else flags[:1]))
+        from_values=True))
