@@ -6,10 +6,13 @@ run S = Q K^T, the online softmax and O += P V on them. The consumers share ever
 the shared-memory traffic of two 64-row programs) and, not being tied by block-wide barriers,
 one's softmax runs while the other's MMAs do.
 
-Operands are the portable forward's (``producers.rebase``), Q rebased beforehand like K but per token:
-with SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they
-are their exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA rate). V^T is e4m3
-``[Hkv, D, padded_total]`` on one exponent per (sequence, head, channel). The softmax follows
+Operands are the portable forward's (``producers.rebase``), Q rebased like K but per token: with
+SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they are their
+exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA rate). V^T is e4m3
+``[Hkv, D, padded_total]`` on one exponent per (sequence, head, channel). From MXFP8 inputs Q comes
+rebased beforehand (kept across calls); from high-precision inputs each consumer quantizes and
+rebases its own 64 rows as it loads them: a program reads its Q rows once, so a pass that wrote
+them rebased would only add a write and a read of Q. The softmax follows
 ``portable.forward``'s: exp2 domain, online row maximum, P on the static 2^8 scale.
 """
 
@@ -32,7 +35,13 @@ from ..common import bounds, fp8, layout
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
 from ..producers.quantize import block_scale_bytes
-from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_on_bytes, quantize_rebase_kv
+from ..producers.rebase import (
+    kept_rebase_feature,
+    kept_rebase_kv,
+    quantize_on_bytes,
+    quantize_rebase_feature,
+    quantize_rebase_kv,
+)
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
@@ -50,6 +59,13 @@ def tile_config(head_dim: int, scores: str = "fp8") -> dict:
     stages = 4 if scores == "fp8" else 3
     return dict(BLOCK_N=128, STAGES=stages, SCORES=scores, LOADER_REGS=24, CONSUMER_REGS=240,
                 ROW_TREE=head_dim == 128)
+
+
+def quantizes_q_in_kernel(head_dim: int) -> bool:
+    """Whether a forward from high-precision values leaves Q's quantization to the consumers, which read
+    their Q rows once anyway, rather than to a pass: measured faster at head_dim 128; at 64 the consumers'
+    quantizing prologue costs more than the pass's write and the kernel's read of rebased Q save."""
+    return head_dim == 128
 
 
 @aggregate
@@ -206,8 +222,9 @@ def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready
              Q_FROM_VALUES: gl.constexpr):
     """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
     LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
-    its intra-warpgroup overlap (S of the next tile under this one's softmax) both measured no faster
-    here: the softmax's own latency, not the MMA waits, sets the pace (docs/perf-history.md)."""
+    its intra-warpgroup overlap (S of the next tile under this one's softmax; also on 64-key halves,
+    which leave room for it beside the fresh P·V accumulator) measured no faster here: the softmax's own
+    latency, not the MMA waits, sets the pace, and halves double its per-tile work (docs/perf-history.md)."""
     seq, head, kv_head, rows0 = tile.seq, tile.head, tile.kv_head, tile.rows0
     q_start, len_q, len_k, q_col = tile.q_start, tile.len_q, tile.len_k, tile.q_col
     q_factor_row, k_factor_row, n_tiles = tile.q_factor_row, tile.k_factor_row, tile.n_tiles
@@ -410,17 +427,22 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
                          scores="fp8", check_finite=False):
     """Like :func:`attention_forward` for bf16/fp16 q, k, v (``portable.forward.attention_forward_hp``'s
-    arguments): K and V quantized and rebased in one pass, Q by the kernel's consumers as they load it.
-    With ``check_finite`` the K/V pass flags NaN/Inf in k and v, and one read of q (the consumers do not
-    check what they quantize) flags q's, for the check."""
+    arguments): K and V quantized and rebased in one pass, Q by the kernel's consumers as they load it
+    (``quantizes_q_in_kernel``) or by a pass. With ``check_finite`` the passes flag NaN/Inf in what they
+    read, and q, when the consumers quantize it unchecked, by one read of its own, for the check."""
     config = tile_config(q.shape[-1], scores)
-    flags = None
-    if check_finite:  # q, k, v
-        flags = torch.cat([max_magnitude(q).to(torch.float32).reshape(1), q.new_zeros(2, dtype=torch.float32)])
-    k_rebased, k_factor, vt, v_exponent = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"],
-                                                              exact=scores == "bf16", v_order=layout.PV_ORDER,
-                                                              nonfinite=None if flags is None else flags[1:])
+    exact = scores == "bf16"
+    in_kernel = quantizes_q_in_kernel(q.shape[-1])
+    flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v
+    q_flag, kv_flags = (None, None) if flags is None else (flags[:1], flags[1:])
+    if not in_kernel:
+        q_operand = quantize_rebase_feature(q, offsets_q, group=1, exact=exact, nonfinite=q_flag)
+    else:
+        q_operand = (q.contiguous(), None)
+        if q_flag is not None:
+            q_flag.copy_(max_magnitude(q).reshape(1))
+    kv_operands = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
+                                     nonfinite=kv_flags)
     return checked_after(flags, ("q", "k", "v"), lambda: _launch(
-        q.contiguous(), None, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
-        softmax_scale=softmax_scale, out_dtype=q.dtype if out_dtype is None else out_dtype, config=config,
-        from_values=True))
+        *q_operand, *kv_operands, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
+        out_dtype=q.dtype if out_dtype is None else out_dtype, config=config, from_values=in_kernel))
