@@ -191,8 +191,8 @@ def _stage_quantized_q(q_values, q_smem, q_start, row0, len_q, head,
                        HEADS_Q: gl.constexpr, D: gl.constexpr, EXACT: gl.constexpr):
     """This consumer's Q rows read as high-precision values, quantized and rebased as
     ``rebase.quantize_rebase_feature(group=1)`` does it (rceil MX blocks moved onto each token's largest
-    block exponent; EXACT: the MX values in bf16), stored into ``q_smem`` for the S wgmmas: the token
-    factors ``[CONSUMER_ROWS]`` (1 with EXACT; rows past ``len_q`` hold zeros)."""
+    block exponent; EXACT: the MX values in bf16), stored into ``q_smem`` for the S wgmmas; returns the
+    token factors ``[CONSUMER_ROWS]`` (1 with EXACT). Rows past ``len_q`` are quantized zeros."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     values_layout: gl.constexpr = _value_rows_layout(D)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, values_layout))
