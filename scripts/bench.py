@@ -208,14 +208,20 @@ class Workload:
         return self.flops * FLOP_FACTORS.get(column.split()[-1], 1.0) / (ms * 1e-3) / 1e12
 
 
+def training_step(forward, inputs, dout):
+    """(a training step: ``forward`` on leaf copies of ``inputs`` and their gradients for ``dout``, the leaves)."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    return (lambda: torch.autograd.grad(forward(*leaves), leaves, dout)), leaves
+
+
 def backward_and_step_ms(name, forward, inputs, dout):
     """{"name bwd": median ms of the backward alone of ``forward(*inputs)`` through autograd,
     "name step": of forward + backward}."""
-    leaves = [x.detach().requires_grad_() for x in inputs]
+    step, leaves = training_step(forward, inputs, dout)
     out = forward(*leaves)
     return {
         f"{name} bwd": median_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
-        f"{name} step": median_ms(lambda: torch.autograd.grad(forward(*leaves), leaves, dout)),
+        f"{name} step": median_ms(step),
     }
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench import PEERS, WORKLOAD_SETS, Workload, median_ms
+from bench import PEERS, WORKLOAD_SETS, Workload, median_ms, training_step
 
 SMI_FIELDS = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 
@@ -67,11 +67,7 @@ class SmiSampler:
 def stepper(peer, w: Workload):
     """A training step (forward + gradients of q, k, v) of ``peer`` on ``w``, or None if unavailable."""
     made = peer(w)
-    if made is None:
-        return None
-    forward, inputs, dout = made
-    leaves = [x.detach().requires_grad_() for x in inputs]
-    return lambda: torch.autograd.grad(forward(*leaves), leaves, dout)
+    return None if made is None else training_step(*made)[0]
 
 
 def timed_phase(label: str, step) -> None:
