@@ -73,6 +73,27 @@ def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def quantized_feature_blocks(x, FLOOR: tl.constexpr, INTERPRET: tl.constexpr):
+    """High-precision ``x [rows, D / 32, 32]`` (fp32; each row's 32-channel blocks) as MX blocks: (fp32 e4m3
+    values, int32 scale bytes ``[rows, D / 32]``). Any register layout: the Gluon forward calls it too."""
+    byte, _ = block_scale_bytes(x, (2,), FLOOR, INTERPRET)
+    return quantize_on_bytes(x, byte[:, :, None], INTERPRET), byte
+
+
+@triton.jit
+def onto_row_bytes(x, byte, row_byte, INTERPRET: tl.constexpr):
+    """MX blocks ``x [rows, D / 32, 32]`` with bytes ``byte [rows, D / 32]`` moved onto each row's byte
+    ``row_byte [rows]`` (none smaller than the row's): e4m3, same shape."""
+    return fp8.to_e4m3(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], INTERPRET)
+
+
+@triton.jit
+def block_values(x, byte):
+    """MX blocks ``x [rows, D / 32, 32]`` with bytes ``byte [rows, D / 32]`` as their fp32 values."""
+    return x * layout.scale_value(byte)[:, :, None]
+
+
+@triton.jit
 def feature_rows(
     src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -85,8 +106,7 @@ def feature_rows(
     """
     x = tl.reshape(_load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D), (BLOCK_T, D // 32, 32))
     if FROM_HIGH_PRECISION:
-        byte, _ = block_scale_bytes(x, (2,), FLOOR, INTERPRET)
-        x = quantize_on_bytes(x, byte[:, :, None], INTERPRET)
+        x, byte = quantized_feature_blocks(x, FLOOR, INTERPRET)
     else:
         padded_rows = layout.padded_seq_start(start, seq) + rows
         blocks = tl.arange(0, D // 32)
@@ -116,8 +136,7 @@ def _onto_group_bytes(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexp
     """MX blocks ``x [BLOCK_T, D / 32, 32]`` with bytes ``byte [BLOCK_T, D / 32]`` moved onto the bytes
     ``group_byte [BLOCK_T / GROUP]`` of their GROUP-row groups (none smaller): e4m3 ``[BLOCK_T, D]``."""
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
-    rebased = fp8.to_e4m3(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], INTERPRET)
-    return tl.reshape(rebased, (BLOCK_T, D))
+    return tl.reshape(onto_row_bytes(x, byte, row_byte, INTERPRET), (BLOCK_T, D))
 
 
 @triton.jit
@@ -130,7 +149,7 @@ def dequantized_feature_rows(
     power of two always fits bf16), or fp32 when interpreted (Triton 3.6's interpreter gets bf16 dots wrong)."""
     x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
-    values = tl.reshape(x * layout.scale_value(byte)[:, :, None], (BLOCK_T, D))
+    values = tl.reshape(block_values(x, byte), (BLOCK_T, D))
     return values.to(tl.float32 if INTERPRET else tl.bfloat16)
 
 

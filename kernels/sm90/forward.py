@@ -34,13 +34,14 @@ from jagged_attn.mxfp8 import checked_after, max_magnitude
 from ..common import bounds, fp8, layout
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
-from ..producers.quantize import block_scale_bytes
 from ..producers.rebase import (
+    block_values,
     kept_rebase_feature,
     kept_rebase_kv,
-    quantize_on_bytes,
+    onto_row_bytes,
     quantize_rebase_feature,
     quantize_rebase_kv,
+    quantized_feature_blocks,
 )
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
@@ -199,15 +200,13 @@ def _stage_quantized_q(q_values, q_smem, q_start, row0, len_q, head,
     channels = gl.arange(0, D, layout=gl.SliceLayout(0, values_layout))
     where = ((q_start + rows).to(gl.int64) * HEADS_Q + head)[:, None] * D + channels[None, :]
     x = gl.load(q_values + where, mask=(rows < len_q)[:, None], other=0.0).to(gl.float32)
-    blocks = x.reshape([ROWS, D // 32, 32])
-    byte, _ = block_scale_bytes(blocks, (2,), False, False)
-    mx_values = quantize_on_bytes(blocks, byte[:, :, None], False)
+    blocks, byte = quantized_feature_blocks(x.reshape([ROWS, D // 32, 32]), False, False)
     if EXACT:
-        q = (mx_values * layout.scale_value(byte)[:, :, None]).reshape([ROWS, D]).to(gl.bfloat16)
+        q = block_values(blocks, byte).reshape([ROWS, D]).to(gl.bfloat16)
         factor = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, values_layout))
     else:
         token_byte = gl.max(byte, axis=1)
-        q = fp8.to_e4m3(mx_values * layout.byte_ratio(byte, token_byte[:, None])[:, :, None], False).reshape([ROWS, D])
+        q = onto_row_bytes(blocks, byte, token_byte, False).reshape([ROWS, D])
         factor = gl.convert_layout(layout.scale_value(token_byte), gl.SliceLayout(1, values_layout))
     q_smem.store(q)
     fence_async_shared()
