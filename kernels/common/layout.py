@@ -98,21 +98,54 @@ def gluon_columns_in_key_order(x, KEY_DIMS: gl.constexpr):
 
 @gluon.constexpr_function
 def whole_rows_layout(columns, warps):
-    """A register layout of ``[rows, columns]`` 16-bit tiles in which each warp holds whole rows, 8
-    values (16 bytes) per thread: its global stores write whole rows, where a wgmma accumulator's
+    """A register layout of ``[rows, columns]`` tiles in which each warp holds whole rows, 8 values
+    (16 bytes at 16 bits) per thread: its global stores write whole rows, where a wgmma accumulator's
     write 16-byte pieces of 8 rows per instruction."""
     return gl.BlockedLayout([1, 8], [32 // (columns // 8), columns // 8], [warps, 1], [1, 0])
 
 
 @gluon.jit
-def gluon_restage(tile, buffer, rows_layout: gl.constexpr):
-    """``tile`` (16-bit, any register layout) in ``rows_layout``, moved through the free shared
-    ``buffer`` of the tile's bytes (reinterpreted, its swizzle kept); a barrier of the calling warps
-    lies between the store and the load."""
-    stage = buffer._reinterpret(tile.dtype, tile.shape, buffer.layout)
-    stage.store(tile)
+def _store_rows_piece(piece, dst, column0, row_stride, valid_rows, buffer):
+    """``piece`` through ``buffer`` (reinterpreted to its shape and dtype) into whole rows, stored at
+    ``dst + r * row_stride + column0 + c`` for rows r < valid_rows."""
+    ROWS: gl.constexpr = piece.shape[0]
+    COLUMNS: gl.constexpr = piece.shape[1]
+    rows_layout: gl.constexpr = whole_rows_layout(COLUMNS, gl.num_warps())
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], piece.dtype)
+    stage = buffer._reinterpret(piece.dtype, [ROWS, COLUMNS], stage_layout)
+    stage.store(piece)
     gl.thread_barrier()
-    return stage.load(rows_layout)
+    piece = stage.load(rows_layout)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
+    columns = column0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, rows_layout))
+    gl.store(dst + rows[:, None] * row_stride + columns[None, :], piece, mask=(rows < valid_rows)[:, None])
+
+
+@gluon.jit
+def gluon_store_rows_through(tile, dst, row_stride, valid_rows, buffer, THROUGH_SHARED: gl.constexpr = True):
+    """Store the register tile ``tile`` (``[rows, columns]``, any layout) at ``dst + r * row_stride + c``
+    for rows r < valid_rows. With THROUGH_SHARED it moves through the calling warps' free shared
+    ``buffer`` (``rows`` rows of the tile's bytes, or of half of them: then one column half after the
+    other) into :func:`whole_rows_layout` first: straight from a wgmma accumulator layout each store
+    writes 16-byte pieces of 8 rows, which costs short programs much of their time
+    (docs/perf-history.md). Barriers of the calling warps lie between each piece's store and load and
+    between the pieces. A tile of more than twice the buffer's bytes is stored straight."""
+    PIECES: gl.constexpr = (tile.dtype.primitive_bitwidth * tile.shape[1]) // (
+        buffer.dtype.primitive_bitwidth * buffer.shape[1])
+    gl.static_assert(tile.shape[0] == buffer.shape[0], "the buffer holds the tile's rows")
+    if THROUGH_SHARED and PIECES <= 1:
+        _store_rows_piece(tile, dst, 0, row_stride, valid_rows, buffer)
+    elif THROUGH_SHARED and PIECES == 2:
+        # The top column bit of a wgmma accumulator is a register bit: the split moves no data.
+        HALF: gl.constexpr = tile.shape[1] // 2
+        left, right = tile.reshape([tile.shape[0], 2, HALF]).permute((0, 2, 1)).split()
+        _store_rows_piece(left, dst, 0, row_stride, valid_rows, buffer)
+        gl.thread_barrier()  # every warp has read the left half before the right one overwrites it
+        _store_rows_piece(right, dst, HALF, row_stride, valid_rows, buffer)
+    else:
+        rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, tile.type.layout))
+        columns = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, tile.type.layout))
+        gl.store(dst + rows[:, None] * row_stride + columns[None, :], tile, mask=(rows < valid_rows)[:, None])
 
 
 # key_order_dims of each order for tiles of 2^4 .. 2^7 tokens: both orders move tokens only inside

@@ -107,6 +107,24 @@ def tile_config(head_dim: int) -> dict:
     return dict(STAGES=2, CONSUMER_REGS=224)
 
 
+# Mean query tiles per program (query tiles of a sequence times the heads of a KV group) up to which
+# the FP8 path stores dK and dV through shared memory (stages_gradient_stores).
+SHORT_PROGRAM_STEPS = 16
+
+
+def stages_gradient_stores(prep: Prepared, gradient_dtype: torch.dtype) -> bool:
+    """Whether the consumers store dK and dV through their K and V buffers in whole rows rather than
+    straight from the wgmma accumulator layout (16-byte pieces of 8 rows per store). Where a buffer
+    holds a whole gradient tile (the exact path's bf16 copies) always; where it holds half of one (the
+    FP8 path's e4m3 copies: two column halves) only on batches whose programs are short by the host's
+    estimate (no read of the offsets): the staging saves each program a few microseconds, but ptxas
+    then gives the consumers' loop one spill, which costs every step of long programs (docs/perf-history.md)."""
+    if gradient_dtype.itemsize <= prep.k.feature.dtype.itemsize:
+        return True
+    mean_steps = prep.heads_q // prep.heads_kv * prep.total_q / (max(prep.batch, 1) * BLOCK_M.value)
+    return mean_steps <= SHORT_PROGRAM_STEPS
+
+
 @aggregate
 class QueryStages:
     """The ring of query-side stages the default warpgroup fills and the consumers drain: per stage
@@ -396,7 +414,8 @@ def _tile_amax(x, exchange_smem):
 @gluon.jit
 def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
+             STAGED_STORES: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
     tile's dS for the dQ warpgroup."""
     seq, kv_head, n_start = tile.seq, tile.kv_head, tile.n_start
@@ -510,30 +529,20 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
 
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
-    key_in = key_rows < len_k
     sequence_scales = (kv_head * batch + seq) * D + channels
     dk_scale = gl.load(grads.qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
     dv_scale = gl.load(grads.dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
-    k_row_factor = gl.load(grads.k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows, mask=key_in, other=0.0)
+    k_row_factor = gl.load(grads.k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows,
+                           mask=key_rows < len_k, other=0.0)
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
     dk_out = dk_rows.to(grads.dk.dtype.element_ty)
     dv_out = (dv_acc * dv_scale[None, :]).to(grads.dv.dtype.element_ty)
-    if grads.dk.dtype.element_ty.primitive_bitwidth == k_smem.dtype.primitive_bitwidth:
-        # Where a gradient tile has the bytes of this consumer's K and V buffers (free after the last
-        # step's wgmmas): bf16 copies (the exact path) and 16-bit gradients; not the FP8 path's e4m3
-        # buffers, nor fp32 gradients. Through them, then stored from a layout in which each warp writes
-        # whole rows, 16 bytes per thread: straight from the wgmma layout (16-byte pieces of 8 rows per
-        # instruction) these stores took a large share of the kernel on short-query batches
-        # (docs/perf-history.md).
-        rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
-        dk_out = layout.gluon_restage(dk_out, k_smem, rows_layout)
-        dv_out = layout.gluon_restage(dv_out, v_smem, rows_layout)
-        key_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, rows_layout))
-        channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
-    out_offsets = ((k_start + key_rows) * HEADS_KV + kv_head)[:, None] * D + channels[None, :]
-    in_sequence = (key_rows < len_k)[:, None]
-    gl.store(grads.dk + out_offsets, dk_out, mask=in_sequence)
-    gl.store(grads.dv + out_offsets, dv_out, mask=in_sequence)
+    # Through this consumer's K and V buffers (free after the last step's wgmmas) where STAGED_STORES.
+    first_row = ((k_start + key0) * HEADS_KV + kv_head) * D
+    layout.gluon_store_rows_through(dk_out, grads.dk + first_row, HEADS_KV * D, len_k - key0, k_smem,
+                                    STAGED_STORES)
+    layout.gluon_store_rows_through(dv_out, grads.dv + first_row, HEADS_KV * D, len_k - key0, v_smem,
+                                    STAGED_STORES)
 
 
 @gluon.jit
@@ -542,7 +551,7 @@ def _attention_backward_kernel(
     qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, total_q, total_k, padded_q, batch,
     softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, STAGED_STORES: gl.constexpr,
 ):
     # KV head outer, work slots inner: the programs running at once are mostly the key tiles of the
     # same (sequence, head), which read the same Q/dO tiles and add dQ to the same rows at about
@@ -614,9 +623,9 @@ def _attention_backward_kernel(
                                        dq_even, dq_odd, dq_desc, tile, padded_q, HEADS_Q, D, STAGES,
                                        EXACT, ACCUMULATE_DQ)),
             (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, tile, total_k, batch,
-                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
+                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES)),
             (_consume, (kv, stages, exchange, amax_smem.slice(32, 32, dim=0), grads, tile, total_k, batch,
-                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)),
+                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES)),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
@@ -676,7 +685,7 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
         prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k,
         prep.padded_q, prep.batch, softmax_scale,
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
-        num_warps=4, **tile_config(prep.dim),
+        STAGED_STORES=stages_gradient_stores(prep, dk.dtype), num_warps=4, **tile_config(prep.dim),
     )
 
 

@@ -296,16 +296,9 @@ def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready
     inverse_sum = gl.where(seen, 1.0 / gl.where(seen, row_sum, 1.0), 0.0)
     o = fp8.saturating_cast(acc * gl.convert_layout(inverse_sum, o_rows)[:, None] * v_factor[None, :],
                             out.dtype.element_ty)
-    o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=o_rows)
-    if out.dtype.element_ty.primitive_bitwidth == q_smem.dtype.primitive_bitwidth:
-        # Through this consumer's Q buffer (free after the last S wgmma; bf16 on the exact path, where O
-        # is 16-bit too), then stored in whole rows: faster on ragged batches (docs/perf-history.md).
-        rows_layout: gl.constexpr = layout.whole_rows_layout(D, gl.num_warps())
-        o = layout.gluon_restage(o, q_smem, rows_layout)
-        o_rows_in_tile = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
-        channels = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
-    o_offsets = ((q_start + o_rows_in_tile) * HEADS_Q + head)[:, None] * D + channels[None, :]
-    gl.store(out + o_offsets, o, mask=(o_rows_in_tile < len_q)[:, None])
+    # Through this consumer's Q buffer, free after the last S wgmma.
+    layout.gluon_store_rows_through(o, out + ((q_start + row0) * HEADS_Q + head) * D, HEADS_Q * D, len_q - row0,
+                                    q_smem)
     log_sum = (row_max - layout.P_STATIC_EXP + gl.log2(gl.where(seen, row_sum, 1.0))) * layout.LN2
     gl.store(lse + (q_start + rows) * HEADS_Q + head, gl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
