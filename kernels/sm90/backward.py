@@ -117,8 +117,10 @@ def stages_gradient_stores(prep: Prepared, gradient_dtype: torch.dtype) -> bool:
     straight from the wgmma accumulator layout (16-byte pieces of 8 rows per store). Where a buffer
     holds a whole gradient tile (the exact path's bf16 copies) always; where it holds half of one (the
     FP8 path's e4m3 copies: two column halves) only on batches whose programs are short by the host's
-    estimate (no read of the offsets): the staging saves each program a few microseconds, but ptxas
-    then gives the consumers' loop one spill, which costs every step of long programs (docs/perf-history.md)."""
+    estimate (no read of the offsets): the staging saves each program a few microseconds, and was
+    measured slower on long programs while it cost the consumers' loop a spill; that spill is gone
+    (``first_key_scale`` in ``_consume``), and staging everywhere has not been measured since
+    (docs/perf-history.md)."""
     if gradient_dtype.itemsize <= prep.k.feature.dtype.itemsize:
         return True
     mean_steps = prep.heads_q // prep.heads_kv * prep.total_q / (max(prep.batch, 1) * BLOCK_M.value)
@@ -441,7 +443,10 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
                                     kv.kt.index(CONSUMER))
 
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
-    key_scales = kv_head.to(gl.int64) * total_k + k_start + keys
+    # The first key's offset into the [Hkv, total_k] token scales, a scalar: per-key int64 offsets kept
+    # for the epilogue's load would hold a register through the loop.
+    first_key_scale = kv_head.to(gl.int64) * total_k + k_start + key0
+    key_scales = first_key_scale + gl.arange(0, KEYS, layout=s_rows)
     k_factor = gl.load(grads.k_scale + key_scales, mask=keys < len_k, other=0.0)
     # S^T and dP^T come from bf16 copies holding the MX values (EXACT: fp32 accumulation) or from
     # e4m3 copies in units of the token scales, applied here.
@@ -532,7 +537,7 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
     sequence_scales = (kv_head * batch + seq) * D + channels
     dk_scale = gl.load(grads.qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
     dv_scale = gl.load(grads.dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
-    k_row_factor = gl.load(grads.k_scale + kv_head.to(gl.int64) * total_k + k_start + key_rows,
+    k_row_factor = gl.load(grads.k_scale + first_key_scale + gl.arange(0, KEYS, layout=o_rows),
                            mask=key_rows < len_k, other=0.0)
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
     dk_out = dk_rows.to(grads.dk.dtype.element_ty)
