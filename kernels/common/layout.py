@@ -105,20 +105,23 @@ def whole_rows_layout(columns, warps):
 
 
 @gluon.jit
+def _store_rows(tile, dst, column0, row_stride, valid_rows):
+    """``tile`` stored from its own register layout at ``dst + r * row_stride + column0 + c`` for rows
+    r < valid_rows."""
+    rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, tile.type.layout))
+    columns = column0 + gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, tile.type.layout))
+    gl.store(dst + rows[:, None] * row_stride + columns[None, :], tile, mask=(rows < valid_rows)[:, None])
+
+
+@gluon.jit
 def _store_rows_piece(piece, dst, column0, row_stride, valid_rows, buffer):
-    """``piece`` through ``buffer`` (reinterpreted to its shape and dtype) into whole rows, stored at
-    ``dst + r * row_stride + column0 + c`` for rows r < valid_rows."""
-    ROWS: gl.constexpr = piece.shape[0]
-    COLUMNS: gl.constexpr = piece.shape[1]
-    rows_layout: gl.constexpr = whole_rows_layout(COLUMNS, gl.num_warps())
-    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], piece.dtype)
-    stage = buffer._reinterpret(piece.dtype, [ROWS, COLUMNS], stage_layout)
+    """``piece`` through ``buffer`` (reinterpreted to its shape and dtype) into whole rows, then
+    :func:`_store_rows`."""
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([piece.shape[0], piece.shape[1]], piece.dtype)
+    stage = buffer._reinterpret(piece.dtype, [piece.shape[0], piece.shape[1]], stage_layout)
     stage.store(piece)
     gl.thread_barrier()
-    piece = stage.load(rows_layout)
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
-    columns = column0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, rows_layout))
-    gl.store(dst + rows[:, None] * row_stride + columns[None, :], piece, mask=(rows < valid_rows)[:, None])
+    _store_rows(stage.load(whole_rows_layout(piece.shape[1], gl.num_warps())), dst, column0, row_stride, valid_rows)
 
 
 @gluon.jit
@@ -143,9 +146,7 @@ def gluon_store_rows_through(tile, dst, row_stride, valid_rows, buffer, THROUGH_
         gl.thread_barrier()  # every warp has read the left half before the right one overwrites it
         _store_rows_piece(right, dst, HALF, row_stride, valid_rows, buffer)
     else:
-        rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, tile.type.layout))
-        columns = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, tile.type.layout))
-        gl.store(dst + rows[:, None] * row_stride + columns[None, :], tile, mask=(rows < valid_rows)[:, None])
+        _store_rows(tile, dst, 0, row_stride, valid_rows)
 
 
 # key_order_dims of each order for tiles of 2^4 .. 2^7 tokens: both orders move tokens only inside
