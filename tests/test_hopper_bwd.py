@@ -753,7 +753,7 @@ def test_gradient_stores_are_staged_where_a_buffer_holds_the_tile_or_programs_ar
 
     def prep(copy_dtype, total_q, batch, heads_q=8, heads_kv=2):
         k = SimpleNamespace(feature=torch.empty(0, dtype=copy_dtype))
-        return SimpleNamespace(k=k, total_q=total_q, batch=batch, heads_q=heads_q, heads_kv=heads_kv)
+        return SimpleNamespace(k=k, total_q=total_q, batch=batch, heads_q=heads_q, heads_kv=heads_kv, dim=128)
 
     stages = sm90_backward.stages_gradient_stores
     limit = sm90_backward.SHORT_PROGRAM_STEPS * sm90_backward.BLOCK_M.value

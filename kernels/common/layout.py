@@ -104,6 +104,14 @@ def whole_rows_layout(columns, warps):
     return gl.BlockedLayout([1, 8], [32 // (columns // 8), columns // 8], [warps, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def staging_pieces(tile_bits, tile_columns, buffer_bits, buffer_columns):
+    """Column pieces in which :func:`gluon_store_rows_through` moves a tile through a shared buffer of
+    the same rows (elements of ``tile_bits`` and ``buffer_bits``): 1 or less, whole; 2, in halves;
+    more, not at all (stored straight). Host code asks it too (whether a launch's tiles fit whole)."""
+    return (tile_bits * tile_columns) // (buffer_bits * buffer_columns)
+
+
 @gluon.jit
 def _store_rows(tile, dst, column0, row_stride, valid_rows):
     """``tile`` stored from its own register layout at ``dst + r * row_stride + column0 + c`` for rows
@@ -133,8 +141,8 @@ def gluon_store_rows_through(tile, dst, row_stride, valid_rows, buffer, THROUGH_
     writes 16-byte pieces of 8 rows, which costs short programs much of their time
     (docs/perf-history.md). Barriers of the calling warps lie between each piece's store and load and
     between the pieces. A tile of more than twice the buffer's bytes is stored straight."""
-    PIECES: gl.constexpr = (tile.dtype.primitive_bitwidth * tile.shape[1]) // (
-        buffer.dtype.primitive_bitwidth * buffer.shape[1])
+    PIECES: gl.constexpr = staging_pieces(tile.dtype.primitive_bitwidth, tile.shape[1],
+                                          buffer.dtype.primitive_bitwidth, buffer.shape[1])
     gl.static_assert(tile.shape[0] == buffer.shape[0], "the buffer holds the tile's rows")
     if THROUGH_SHARED and PIECES <= 1:
         _store_rows_piece(tile, dst, 0, row_stride, valid_rows, buffer)

@@ -121,7 +121,7 @@ def stages_gradient_stores(prep: Prepared, gradient_dtype: torch.dtype) -> bool:
     measured slower on long programs while it cost the consumers' loop a spill; that spill is gone
     (``first_key_scale`` in ``_consume``), and staging everywhere has not been measured since
     (docs/perf-history.md)."""
-    if gradient_dtype.itemsize <= prep.k.feature.dtype.itemsize:
+    if layout.staging_pieces(8 * gradient_dtype.itemsize, prep.dim, 8 * prep.k.feature.dtype.itemsize, prep.dim) <= 1:
         return True
     mean_steps = prep.heads_q // prep.heads_kv * prep.total_q / (max(prep.batch, 1) * BLOCK_M.value)
     return mean_steps <= SHORT_PROGRAM_STEPS
