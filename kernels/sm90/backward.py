@@ -471,7 +471,6 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
     for i in range(n_steps):
         stage = i % STAGES
         phase = (i // STAGES) & 1
-        queries = m0 + gl.arange(0, BLOCK_M, layout=s_cols)
         rows = stage * ROW_VECTORS
 
         mbarrier.wait(stages.q_ready.index(stage), phase)
@@ -495,10 +494,13 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
         if CAUSAL:
             masked = masked | (m0 < bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal))
         if masked:
-            visible = keys[:, None] < len_k
             if CAUSAL:
-                visible = visible & bounds.sees(queries[None, :], keys[:, None], diagonal)
-            p = gl.where(visible, p, 0.0)
+                # One compare per element: the tile's column against the first one each key is
+                # visible to (none past the sequence's keys).
+                first_column = gl.where(keys < len_k, bounds.first_query_seeing(keys, diagonal) - m0, BLOCK_M)
+                p = gl.where(gl.arange(0, BLOCK_M, layout=s_cols)[None, :] >= first_column[:, None], p, 0.0)
+            else:
+                p = gl.where(keys[:, None] < len_k, p, 0.0)
         q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
         if EXACT:
             q_dp = dp * q_factor[None, :] - q_delta[None, :]
