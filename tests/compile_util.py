@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -81,17 +82,43 @@ def divides(ptx: str) -> bool:
 def ptxas_report(ptx: str, arch: int = 90) -> str:
     """What Triton's own ptxas says (``-v``: registers, spills, performance notes) assembling ``ptx``
     for ``sm_{arch}a``."""
+    return _assemble(ptx, arch)[0]
+
+
+def sass(ptx: str, arch: int = 90) -> str:
+    """The SASS that Triton's own ptxas makes of ``ptx`` for ``sm_{arch}a``, as its nvdisasm prints it
+    (``-c``: code only, one instruction per line, branch targets as ``.L_x_N`` labels)."""
+    return _assemble(ptx, arch)[1]
+
+
+def _assemble(ptx: str, arch: int) -> tuple[str, str]:
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as folder:
-        source = os.path.join(folder, "kernel.ptx")
+        source, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
         with open(source, "w") as f:
             f.write(ptx)
-        result = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", source, "-o",
-                                 os.path.join(folder, "kernel.cubin")], capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        raise RuntimeError(f"ptxas failed:\n{result.stderr[-4000:]}")
-    return result.stderr
+        result = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", source, "-o", cubin],
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"ptxas failed:\n{result.stderr[-4000:]}")
+        nvdisasm = os.path.join(os.path.dirname(get_ptxas(arch).path), "nvdisasm")
+        code = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, timeout=600, check=True)
+    return result.stderr, code.stdout
+
+
+def innermost_loops(code: str) -> list[list[str]]:
+    """The instructions of each innermost loop of a :func:`sass` listing: from a label to a branch back
+    to it, with no such pair inside."""
+    lines = code.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line.strip())}
+    spans = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            spans.append((labels[target.group(1)], i))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [[x for x in lines[a:b + 1] if "/*" in x and ";" in x] for a, b in innermost]
 

@@ -44,6 +44,8 @@ each over its own keys, was measured slower still: their chains are latency-boun
 then lengthen each of them (docs/perf-history.md; speed: docs/PERF.md).
 """
 
+import functools
+
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -167,10 +169,11 @@ class DsExchange:
 
 @aggregate
 class KeyOperands:
-    """The program's key-side tiles, one per consumer: K and V on the feature axis (``k``, ``v``: ``[CONSUMERS,
-    KEYS_PER_CONSUMER, D]``, for S^T and dP^T) and K^T on the sequence axis (``kt``: ``[CONSUMERS, D,
-    KEYS_PER_CONSUMER]``, for the dQ warpgroup's wgmmas), their TMA descriptors, and ``ready[c]`` once
-    consumer c's three tiles arrived."""
+    """The current key tile's operands, one per consumer: K and V on the feature axis (``k``, ``v``:
+    ``[CONSUMERS, KEYS_PER_CONSUMER, D]``, for S^T and dP^T; each consumer loads its own, ``ready[c]``
+    once they arrived) and K^T on the sequence axis (``kt``: ``[CONSUMERS, D, KEYS_PER_CONSUMER]``,
+    for the dQ warpgroup's wgmmas, which loads both halves itself, ``kt_ready`` once they arrived), and
+    their TMA descriptors."""
     k_desc: tma.tensor_descriptor
     kt_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -178,11 +181,12 @@ class KeyOperands:
     kt: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
+    kt_ready: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, k_desc, kt_desc, v_desc, k, kt, v, ready):
+    def __init__(self, k_desc, kt_desc, v_desc, k, kt, v, ready, kt_ready):
         self.k_desc, self.kt_desc, self.v_desc = k_desc, kt_desc, v_desc
-        self.k, self.kt, self.v, self.ready = k, kt, v, ready
+        self.k, self.kt, self.v, self.ready, self.kt_ready = k, kt, v, ready, kt_ready
 
 
 @aggregate
@@ -206,11 +210,11 @@ class KeyGradients:
 
 @aggregate
 class KeyTile:
-    """A program's work: key tile ``n_start`` (``BLOCK_N`` keys from there) of sequence ``seq``, KV
-    head ``kv_head``; the sequence's first query row ``q_start`` (int32, for TMA coordinates) and
-    first key row ``k_start``, its lengths, its first padded columns (``layout.padded_seq_start``);
-    the steps: query tiles ``[m_lo, m_end)`` of each query head of the group from ``first_head`` on,
-    ``n_steps`` in all."""
+    """One work item: key tile ``n_start`` (``BLOCK_N`` keys from there) of sequence ``seq`` (below 0:
+    an empty slot, nothing to do), KV head ``kv_head``; the sequence's first query row ``q_start``
+    (int32, for TMA coordinates) and first key row ``k_start``, its lengths, its first padded columns
+    (``layout.padded_seq_start``); the steps: query tiles ``[m_lo, m_end)`` of each query head of the
+    group from ``first_head`` on, ``n_steps`` in all."""
     seq: gl.tensor
     kv_head: gl.tensor
     n_start: gl.tensor
@@ -232,6 +236,51 @@ class KeyTile:
         self.q_start, self.len_q, self.k_start, self.len_k = q_start, len_q, k_start, len_k
         self.padded_q_start, self.padded_k_start = padded_q_start, padded_k_start
         self.first_head, self.m_lo, self.m_end, self.n_steps = first_head, m_lo, m_end, n_steps
+
+
+@aggregate
+class WorkItems:
+    """The work of a launch: the ``schedule.work_list`` table ``work`` (``slots`` rows of (sequence, key
+    tile)) for each KV head, ``slots * HEADS_KV`` items, KV head outer; and the batch's offsets and
+    totals, from which :func:`_key_tile` describes an item."""
+    work: gl.tensor
+    slots: gl.tensor
+    offsets_q: gl.tensor
+    offsets_k: gl.tensor
+    total_q: gl.tensor
+    total_k: gl.tensor
+
+    @constexpr_function
+    def __init__(self, work, slots, offsets_q, offsets_k, total_q, total_k):
+        self.work, self.slots, self.offsets_q, self.offsets_k = work, slots, offsets_q, offsets_k
+        self.total_q, self.total_k = total_q, total_k
+
+
+@gluon.jit
+def _key_tile(items, item, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, CAUSAL: gl.constexpr):
+    """The :class:`KeyTile` of work item ``item``. Every partition of a program walks the same items
+    (``item = program, program + programs, ...``), so they agree on each tile without exchanging it.
+    KV head outer, table slots inner: the programs running at once mostly hold key tiles of one
+    (sequence, head), which read the same Q / dO tiles and add dQ to the same rows at about the same
+    time, so L2 serves them (the key tiles of many heads at once thrashed it, causal batches most)."""
+    slot = item % items.slots
+    kv_head = item // items.slots
+    seq = gl.load(items.work + 2 * slot)
+    n_start = gl.load(items.work + 2 * slot + 1) * BLOCK_N
+    used_seq = gl.maximum(seq, 0)
+    q_start, len_q = layout.sequence_span(items.offsets_q, used_seq, items.total_q)
+    k_start, len_k = layout.sequence_span(items.offsets_k, used_seq, items.total_k)
+    # Query tiles before m_lo see none of the tile's keys (causal, bottom-right aligned).
+    if CAUSAL:
+        m_lo = bounds.first_query_seeing(n_start, bounds.diagonal(len_q, len_k)) // BLOCK_M * BLOCK_M
+    else:
+        m_lo = 0
+    tiles_per_head = gl.maximum(gl.cdiv(len_q, BLOCK_M) - m_lo // BLOCK_M, 0)
+    group: gl.constexpr = HEADS_Q // HEADS_KV
+    return KeyTile(seq, kv_head, n_start, q_start.to(gl.int32), len_q, k_start, len_k,
+                   layout.padded_seq_start(q_start, used_seq).to(gl.int32),
+                   layout.padded_seq_start(k_start, used_seq), kv_head * group, m_lo,
+                   m_lo + tiles_per_head * BLOCK_M, group * tiles_per_head)
 
 
 @gluon.jit
@@ -362,31 +411,43 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
 
 @gluon.jit
 def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd,
-                            dq_desc, tile, padded_q, HEADS_Q: gl.constexpr, D: gl.constexpr,
-                            STAGES: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
-    """The default warpgroup: streams each step's query-side operands into the stage ring, STAGES
-    steps ahead of the consumers, and (ACCUMULATE_DQ) adds each step's dQ partial once both
-    consumers published their dS, so the consumers never wait for each other."""
-    q_start, padded_q_start = tile.q_start, tile.padded_q_start
-    m_lo, m_end, n_steps = tile.m_lo, tile.m_end, tile.n_steps
-    load_head, load_m0 = tile.first_head, m_lo  # the query tile of the next step to load
-    for i in range(gl.minimum(n_steps, STAGES)):
-        _load_step(i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, q_start,
-                   padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
-        load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
-    if ACCUMULATE_DQ:  # the dQ wgmmas read both consumers' K^T tiles
-        mbarrier.wait(kv.ready.index(0), 0)
-        mbarrier.wait(kv.ready.index(1), 0)
-    head, m0 = tile.first_head, m_lo
-    for i in range(n_steps):
-        if i + STAGES < n_steps:
-            _load_step(i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages,
-                       q_start, padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
-            load_head, load_m0 = _next_query_tile(load_head, load_m0, m_lo, m_end)
-        if ACCUMULATE_DQ:
-            _dq_step(i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, q_start,
-                     D)
-        head, m0 = _next_query_tile(head, m0, m_lo, m_end)
+                            dq_desc, items, padded_q, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+                            D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
+                            ACCUMULATE_DQ: gl.constexpr):
+    """The default warpgroup, over the program's work items: streams each step's query-side operands
+    into the stage ring, STAGES steps ahead of the consumers, and (ACCUMULATE_DQ) loads each tile's K^T
+    and adds each step's dQ partial once both consumers published their dS, so the consumers never
+    wait for each other. Steps are counted across tiles (``step``): the ring and the dS buffers run on."""
+    step = 0
+    tiles_done = 0
+    for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
+        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+        if tile.seq >= 0:
+            if ACCUMULATE_DQ:  # the previous tile's dQ wgmmas, the only readers of K^T, are done
+                mbarrier.expect(kv.kt_ready, CONSUMERS * kv.kt_desc.block_type.nbytes)
+                for c in gl.static_range(CONSUMERS):
+                    tma.async_copy_global_to_shared(
+                        kv.kt_desc, [tile.kv_head * D, (tile.padded_k_start + tile.n_start + c * KEYS_PER_CONSUMER)
+                                     .to(gl.int32)], kv.kt_ready, kv.kt.index(c))
+            n_steps = tile.n_steps
+            load_head, load_m0 = tile.first_head, tile.m_lo  # the query tile of the next step to load
+            for i in range(gl.minimum(n_steps, STAGES)):
+                _load_step(step + i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages,
+                           tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
+                load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
+            if ACCUMULATE_DQ:
+                mbarrier.wait(kv.kt_ready, tiles_done & 1)
+            head, m0 = tile.first_head, tile.m_lo
+            for i in range(n_steps):
+                if i + STAGES < n_steps:
+                    _load_step(step + i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
+                               stages, tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
+                    load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
+                if ACCUMULATE_DQ:
+                    _dq_step(step + i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, tile.q_start, D)
+                head, m0 = _next_query_tile(head, m0, tile.m_lo, tile.m_end)
+            step += n_steps
+            tiles_done += 1
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
 
@@ -414,13 +475,37 @@ def _tile_amax(x, exchange_smem):
 
 
 @gluon.jit
-def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softmax_scale,
+def _consume(kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
              STAGED_STORES: gl.constexpr):
-    """One consumer warpgroup: dK and dV of its 64 keys over every streamed query tile, and each
-    tile's dS for the dQ warpgroup."""
-    seq, kv_head, n_start = tile.seq, tile.kv_head, tile.n_start
+    """One consumer warpgroup over the program's work items (those of :func:`_load_and_accumulate_dq`,
+    in the same order, steps counted across them the same way)."""
+    step = 0
+    tiles_done = 0
+    for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
+        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+        if tile.seq >= 0:
+            dk_acc, dv_acc, ds_byte = _accumulate_key_gradients(
+                kv, stages, exchange, amax_smem, grads, tile, step, tiles_done & 1, items.total_k, softmax_scale,
+                CONSUMER, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)
+            # The tile described again from its item, not kept: its fields would hold registers
+            # through the steps' loop, where the consumers have none to spare.
+            tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+            _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, items.total_k, batch, softmax_scale,
+                                 CONSUMER, HEADS_KV, D, STAGED_STORES)
+            step += tile.n_steps
+            tiles_done += 1
+
+
+@gluon.jit
+def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, first_step, kv_phase, total_k,
+                              softmax_scale, CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                              CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+    """One consumer warpgroup on one key tile: dK and dV of its 64 keys (fp32 accumulators in the
+    wgmma layout, dK on the running dS scale ``ds_byte``, returned with it) over every streamed query
+    tile (the ring's steps from ``first_step`` on), and each step's dS for the dQ warpgroup."""
+    kv_head, n_start = tile.kv_head, tile.n_start
     len_q, k_start, len_k = tile.len_q, tile.k_start, tile.len_k
     m_lo, m_end, n_steps = tile.m_lo, tile.m_end, tile.n_steps
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
@@ -429,24 +514,21 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     key0 = n_start + CONSUMER * KEYS
     k_smem = kv.k.index(CONSUMER)
     v_smem = kv.v.index(CONSUMER)
     ready = kv.ready.index(CONSUMER)
-    mbarrier.expect(ready, kv.k_desc.block_type.nbytes + kv.v_desc.block_type.nbytes + kv.kt_desc.block_type.nbytes)
+    # The previous tile's last reads of K and V (its wgmmas, its staged stores) are done in every warp
+    # before the copies overwrite them.
+    gl.thread_barrier()
+    fence_async_shared()
+    mbarrier.expect(ready, kv.k_desc.block_type.nbytes + kv.v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(kv.k_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, k_smem)
     tma.async_copy_global_to_shared(kv.v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
-    tma.async_copy_global_to_shared(kv.kt_desc, [kv_head * D, (tile.padded_k_start + key0).to(gl.int32)], ready,
-                                    kv.kt.index(CONSUMER))
 
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
-    # The first key's offset into the [Hkv, total_k] token scales, a scalar: per-key int64 offsets kept
-    # for the epilogue's load would hold a register through the loop.
-    first_key_scale = kv_head.to(gl.int64) * total_k + k_start + key0
-    key_scales = first_key_scale + gl.arange(0, KEYS, layout=s_rows)
+    key_scales = kv_head.to(gl.int64) * total_k + k_start + keys  # in the [Hkv, total_k] token scales
     k_factor = gl.load(grads.k_scale + key_scales, mask=keys < len_k, other=0.0)
     # S^T and dP^T come from bf16 copies holding the MX values (EXACT: fp32 accumulation) or from
     # e4m3 copies in units of the token scales, applied here.
@@ -466,9 +548,12 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
     o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
-    mbarrier.wait(ready, 0)
+    mbarrier.wait(ready, kv_phase)
     head, m0 = tile.first_head, m_lo
-    for i in range(n_steps):
+    # Counted from 0, not as range(first_step, first_step + n_steps): Triton 3.6 built that loop from 0
+    # in the consumers (the ring's parities then split from the loader's, which hung the kernel).
+    for j in range(n_steps):
+        i = first_step + j
         stage = i % STAGES
         phase = (i // STAGES) & 1
         rows = stage * ROW_VECTORS
@@ -533,7 +618,25 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
         dk_acc = dk_acc * rescale + dk_tile
         mbarrier.arrive(stages.empty.index(stage), count=1)
         head, m0 = _next_query_tile(head, m0, m_lo, m_end)
+    return dk_acc, dv_acc, ds_byte
 
+
+@gluon.jit
+def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batch, softmax_scale,
+                         CONSUMER: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+                         STAGED_STORES: gl.constexpr):
+    """dK and dV of the consumer's 64 keys of ``tile`` from its accumulators: the sequence-axis
+    column scales, dK's running dS scale and its keys' token scales applied, stored in the gradients'
+    dtype (through the consumer's K and V buffers where STAGED_STORES)."""
+    o_layout: gl.constexpr = dk_acc.type.layout
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    KEYS: gl.constexpr = KEYS_PER_CONSUMER
+    seq, kv_head, k_start, len_k = tile.seq, tile.kv_head, tile.k_start, tile.len_k
+    key0 = tile.n_start + CONSUMER * KEYS
+    k_smem = kv.k.index(CONSUMER)
+    v_smem = kv.v.index(CONSUMER)
+    first_key_scale = kv_head.to(gl.int64) * total_k + k_start + key0
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
     sequence_scales = (kv_head * batch + seq) * D + channels
@@ -552,33 +655,19 @@ def _consume(kv, stages, exchange, amax_smem, grads, tile, total_k, batch, softm
                                     STAGED_STORES)
 
 
-@gluon.jit
+# WorkItems holds these as tensors: a value of 1 must not become a constexpr.
+@gluon.jit(do_not_specialize=("slots", "total_q", "total_k"))
 def _attention_backward_kernel(
     q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, dot_desc, rows_desc, dq_desc,
-    qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, total_q, total_k, padded_q, batch,
-    softmax_scale,
+    qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, slots, total_q, total_k, padded_q,
+    batch, softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, STAGED_STORES: gl.constexpr,
 ):
-    # KV head outer, work slots inner: the programs running at once are mostly the key tiles of the
-    # same (sequence, head), which read the same Q/dO tiles and add dQ to the same rows at about
-    # the same time, so L2 serves them (the key tiles of many heads at once thrashed it, causal batches most).
-    slot, kv_head = layout.grid_split(HEADS_KV)
-    seq = gl.load(work + 2 * slot)
-    if seq < 0:
-        return
-    n_start = gl.load(work + 2 * slot + 1) * BLOCK_N
-    q_start, len_q = layout.sequence_span(offsets_q, seq, total_q)
-    k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
-    # Query tiles before m_lo see none of the program's keys (causal, bottom-right aligned).
-    if CAUSAL:
-        m_lo = bounds.first_query_seeing(n_start, bounds.diagonal(len_q, len_k)) // BLOCK_M * BLOCK_M
-    else:
-        m_lo = 0
-    tiles_per_head = gl.maximum(gl.cdiv(len_q, BLOCK_M) - m_lo // BLOCK_M, 0)
-    group = HEADS_Q // HEADS_KV
-    n_steps = group * tiles_per_head
-    m_end = m_lo + tiles_per_head * BLOCK_M
+    """Persistent: each program takes work items ``program, program + programs, ...`` (:func:`_key_tile`)
+    with its shared memory, barriers and stage ring set up once, so a tile's first loads overlap the
+    previous tile's last steps and its dK / dV stores (short key tiles, as on cross-attention batches,
+    spent much of a program's life starting and finishing it)."""
     # The producers' bf16 feature copies hold the MX values: S and dP come out exact, in value units.
     EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
 
@@ -603,11 +692,13 @@ def _attention_backward_kernel(
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kt_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(kv_ready.index(c), count=1)
+    mbarrier.init(kt_ready, count=1)
     for buffer in gl.static_range(2):
         mbarrier.init(ds_ready.index(buffer), count=CONSUMERS)
         mbarrier.init(ds_free.index(buffer), count=1)
@@ -618,20 +709,17 @@ def _attention_backward_kernel(
     fence_async_shared()
     stages = QueryStages(q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty)
     exchange = DsExchange(ds_smem, scale_smem, ds_ready, ds_free)
-    kv = KeyOperands(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready)
+    kv = KeyOperands(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, kt_ready)
     grads = KeyGradients(k_scale, v_scale, qt_scale, dot_scale, dk, dv)
-
-    tile = KeyTile(seq, kv_head, n_start, q_start.to(gl.int32), len_q, k_start, len_k,
-                   layout.padded_seq_start(q_start, seq).to(gl.int32), layout.padded_seq_start(k_start, seq),
-                   kv_head * group, m_lo, m_end, n_steps)
+    items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k)
     gl.warp_specialize(
         [
             (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
-                                       dq_even, dq_odd, dq_desc, tile, padded_q, HEADS_Q, D, STAGES,
-                                       EXACT, ACCUMULATE_DQ)),
-            (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, tile, total_k, batch,
+                                       dq_even, dq_odd, dq_desc, items, padded_q, HEADS_Q, HEADS_KV, D, STAGES,
+                                       CAUSAL, EXACT, ACCUMULATE_DQ)),
+            (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, items, batch,
                         softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES)),
-            (_consume, (kv, stages, exchange, amax_smem.slice(32, 32, dim=0), grads, tile, total_k, batch,
+            (_consume, (kv, stages, exchange, amax_smem.slice(32, 32, dim=0), grads, items, batch,
                         softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES)),
         ],
         [4, 4],
@@ -685,15 +773,23 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
                          f"got query_order={prep.query_order}, key_order={prep.key_order}")
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, prep.total_q, BLOCK_N.value, causal=causal,
                      rows_are_queries=False)
-    if not work.shape[0]:
+    items = work.shape[0] * prep.heads_kv
+    if not items:
         return
-    _attention_backward_kernel[(work.shape[0] * prep.heads_kv,)](
+    _attention_backward_kernel[(min(items, resident_programs(dk.device)),)](
         *_descriptors(prep, dq_accum), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
-        prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, prep.total_q, prep.total_k,
-        prep.padded_q, prep.batch, softmax_scale,
+        prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, work.shape[0], prep.total_q,
+        prep.total_k, prep.padded_q, prep.batch, softmax_scale,
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
         STAGED_STORES=stages_gradient_stores(prep, dk.dtype), num_warps=4, **tile_config(prep.dim),
     )
+
+
+@functools.cache
+def resident_programs(device: torch.device) -> int:
+    """Programs of a launch on ``device``: one per SM (its shared memory holds one), each taking work
+    items in turn."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def preparation(deterministic: bool = False) -> dict:
