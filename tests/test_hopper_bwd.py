@@ -679,6 +679,14 @@ GLUON_CASES = [
 ]
 
 
+def test_programs_take_items_in_turn_unless_tile_costs_fall_along_sequences(monkeypatch):
+    """One program per SM each taking items in turn without a mask; one per item for a causal batch."""
+    monkeypatch.setattr(sm90_backward, "resident_programs", lambda device: 132)
+    count = sm90_backward.program_count
+    assert [count(n, False, None) for n in (1, 132, 133, 10**5)] == [1, 132, 132, 132]
+    assert [count(n, True, None) for n in (1, 132, 133, 10**5)] == [1, 132, 133, 10**5]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
 @pytest.mark.parametrize("causal", [False, True])
@@ -690,11 +698,11 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(monkeypatch, case, causal, p
     Gluon kernel's S and dP are exact (the Triton kernel's FP8 accumulation alone, measured up to
     7e-3), 2e-2 where both accumulate in FP8 differently (the Gluon kernel over all 128 channels,
     the Triton kernel's S promoted every 32; measured 1.015e-2 on one Gaussian draw, seed 25480521).
-    With one program per SM these batches give each program at most a tile or two; with 3 programs
+    With the launch's own program count these batches give each program at most a tile or two; with 3 programs
     each walks many, empty slots and tiles without steps among them, its barriers' phases and the
     stage ring running on from tile to tile."""
     if programs is not None:
-        monkeypatch.setattr(sm90_backward, "resident_programs", lambda device: programs)
+        monkeypatch.setattr(sm90_backward, "program_count", lambda items, causal, device: min(items, programs))
     lengths_q, lengths_k, heads_q, heads_kv, dim = case
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, device="cuda",
                                                       dtype=torch.bfloat16)
@@ -786,7 +794,7 @@ def test_gpu_fp8_gradient_stores_staged_or_straight_agree(monkeypatch, causal):
     """The FP8 path's two forms of the dK / dV stores (through the half-size K and V buffers in column
     halves, or straight from the accumulator layout; ``stages_gradient_stores``) write every element
     (NaN-poisoned) and bit-identical values, on ragged self-attention and on cross-attention with GQA."""
-    monkeypatch.setattr(sm90_backward, "resident_programs", lambda device: 3)  # K and V reloaded after the stores
+    monkeypatch.setattr(sm90_backward, "program_count", lambda items, causal, device: min(items, 3))  # K, V reloaded
     for lengths_q, lengths_k, heads_q, heads_kv, dim in GLUON_CASES[:2]:
         q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim,
                                                           device="cuda", dtype=torch.bfloat16)

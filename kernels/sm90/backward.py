@@ -776,7 +776,7 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     items = work.shape[0] * prep.heads_kv
     if not items:
         return
-    _attention_backward_kernel[(min(items, resident_programs(dk.device)),)](
+    _attention_backward_kernel[(program_count(items, causal, dk.device),)](
         *_descriptors(prep, dq_accum), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
         prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, work.shape[0], prep.total_q,
         prep.total_k, prep.padded_q, prep.batch, softmax_scale,
@@ -785,10 +785,19 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     )
 
 
+def program_count(items: int, causal: bool, device: torch.device) -> int:
+    """Programs of a launch of ``items`` work items. Without a mask, one per SM (its shared memory holds
+    one), each taking the items in turn: a sequence's key tiles cost the same and the longest sequences
+    come first, so taking them in turn shares the work out evenly. A causal batch's tile costs fall
+    along each sequence (the first key tile sees every query, the last only its own), and in turn one
+    program would draw the expensive tile of sequence after sequence; it gets one program per item,
+    and the hardware starts each on the SM the last one freed."""
+    return items if causal else min(items, resident_programs(device))
+
+
 @functools.cache
 def resident_programs(device: torch.device) -> int:
-    """Programs of a launch on ``device``: one per SM (its shared memory holds one), each taking work
-    items in turn."""
+    """SMs of ``device``: programs of this kernel that run at once."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
