@@ -679,16 +679,22 @@ GLUON_CASES = [
 ]
 
 
-def test_programs_take_items_in_turn_unless_tile_costs_fall_along_sequences(monkeypatch):
-    """One program per SM each taking items in turn without a mask; one per item for a causal batch."""
+def test_programs_take_items_in_turn_only_where_tiles_are_short_and_unmasked(monkeypatch):
+    """One program per SM, each taking items in turn, on batches of short key tiles without a mask;
+    one program per item on long tiles (dense 4 x 16k) and on causal batches."""
+    from types import SimpleNamespace
+
     monkeypatch.setattr(sm90_backward, "resident_programs", lambda device: 132)
     count = sm90_backward.program_count
-    assert [count(n, False, None) for n in (1, 132, 133, 10**5)] == [1, 132, 132, 132]
-    assert [count(n, True, None) for n in (1, 132, 133, 10**5)] == [1, 132, 133, 10**5]
+    cross = SimpleNamespace(total_q=512 * 136, batch=512, heads_q=4, heads_kv=4)  # short-query cross-attention
+    dense = SimpleNamespace(total_q=4 * 16384, batch=4, heads_q=16, heads_kv=16)
+    assert [count(n, cross, False, None) for n in (1, 132, 133, 10**5)] == [1, 132, 132, 132]
+    assert [count(n, cross, True, None) for n in (1, 132, 133, 10**5)] == [1, 132, 133, 10**5]
+    assert [count(n, dense, False, None) for n in (1, 132, 133, 10**5)] == [1, 132, 133, 10**5]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs", [None, 3], ids=["one-per-sm", "3-programs"])
+@pytest.mark.parametrize("programs", [None, 3], ids=["own-count", "3-programs"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"q{len(c[0])}-h{c[2]}/{c[3]}-d{c[4]}")
 def test_gpu_gluon_kernel_matches_the_triton_kernel(monkeypatch, case, causal, programs):
@@ -702,7 +708,7 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(monkeypatch, case, causal, p
     each walks many, empty slots and tiles without steps among them, its barriers' phases and the
     stage ring running on from tile to tile."""
     if programs is not None:
-        monkeypatch.setattr(sm90_backward, "program_count", lambda items, causal, device: min(items, programs))
+        monkeypatch.setattr(sm90_backward, "program_count", lambda items, prep, causal, device: min(items, programs))
     lengths_q, lengths_k, heads_q, heads_kv, dim = case
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim, device="cuda",
                                                       dtype=torch.bfloat16)
@@ -794,7 +800,7 @@ def test_gpu_fp8_gradient_stores_staged_or_straight_agree(monkeypatch, causal):
     """The FP8 path's two forms of the dK / dV stores (through the half-size K and V buffers in column
     halves, or straight from the accumulator layout; ``stages_gradient_stores``) write every element
     (NaN-poisoned) and bit-identical values, on ragged self-attention and on cross-attention with GQA."""
-    monkeypatch.setattr(sm90_backward, "program_count", lambda items, causal, device: min(items, 3))  # K, V reloaded
+    monkeypatch.setattr(sm90_backward, "program_count", lambda items, prep, causal, device: min(items, 3))  # K, V reloaded
     for lengths_q, lengths_k, heads_q, heads_kv, dim in GLUON_CASES[:2]:
         q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim,
                                                           device="cuda", dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
 """Varlen MXFP8 attention backward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
 
-Each program owns a 128-key tile of one (sequence, KV head). The default warpgroup streams, for
+Each work item is a 128-key tile of one (sequence, KV head); a program takes one item or, on
+batches of short tiles, one every ``programs`` items (``program_count``). The default warpgroup streams, for
 every 64-row query tile of every query head of the KV head's group, the query-side operands into
 a ring of shared-memory stages with TMA (Q and dO on the feature axis, Q^T and dO^T on the
 sequence axis, and the per-query vectors: token scales, lse2, Delta) and computes dQ. Two
@@ -110,23 +111,29 @@ def tile_config(head_dim: int) -> dict:
 
 
 # Mean query tiles per program (query tiles of a sequence times the heads of a KV group) up to which
-# the FP8 path stores dK and dV through shared memory (stages_gradient_stores).
+# a batch's programs count as short (short_programs).
 SHORT_PROGRAM_STEPS = 16
+
+
+def short_programs(prep: Prepared) -> bool:
+    """Whether a batch's key tiles are short by the host's estimate (no read of the offsets): at most
+    ``SHORT_PROGRAM_STEPS`` query tiles each on average, as on cross-attention batches with short
+    queries, where starting and finishing a tile is much of its cost."""
+    mean_steps = prep.heads_q // prep.heads_kv * prep.total_q / (max(prep.batch, 1) * BLOCK_M.value)
+    return mean_steps <= SHORT_PROGRAM_STEPS
 
 
 def stages_gradient_stores(prep: Prepared, gradient_dtype: torch.dtype) -> bool:
     """Whether the consumers store dK and dV through their K and V buffers in whole rows rather than
     straight from the wgmma accumulator layout (16-byte pieces of 8 rows per store). Where a buffer
     holds a whole gradient tile (the exact path's bf16 copies) always; where it holds half of one (the
-    FP8 path's e4m3 copies: two column halves) only on batches whose programs are short by the host's
-    estimate (no read of the offsets): the staging saves each program a few microseconds, and was
-    measured slower on long programs while it cost the consumers' loop a spill; that spill is gone
-    (``first_key_scale`` in ``_consume``), and staging everywhere has not been measured since
+    FP8 path's e4m3 copies: two column halves) only on batches of :func:`short_programs`: the staging
+    saves each tile a few microseconds, but leaves the consumers' step loop one register short (an
+    STL / LDL pair per step with the item loop's counters live), which long tiles pay at every step
     (docs/perf-history.md)."""
     if layout.staging_pieces(8 * gradient_dtype.itemsize, prep.dim, 8 * prep.k.feature.dtype.itemsize, prep.dim) <= 1:
         return True
-    mean_steps = prep.heads_q // prep.heads_kv * prep.total_q / (max(prep.batch, 1) * BLOCK_M.value)
-    return mean_steps <= SHORT_PROGRAM_STEPS
+    return short_programs(prep)
 
 
 @aggregate
@@ -664,10 +671,10 @@ def _attention_backward_kernel(
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, STAGED_STORES: gl.constexpr,
 ):
-    """Persistent: each program takes work items ``program, program + programs, ...`` (:func:`_key_tile`)
-    with its shared memory, barriers and stage ring set up once, so a tile's first loads overlap the
-    previous tile's last steps and its dK / dV stores (short key tiles, as on cross-attention batches,
-    spent much of a program's life starting and finishing it)."""
+    """Each program takes work items ``program, program + programs, ...`` (:func:`_key_tile`; how many
+    programs: :func:`program_count`) with its shared memory, barriers and stage ring set up once, so a
+    tile's first loads overlap the previous tile's last steps and its dK / dV stores (short key tiles,
+    as on cross-attention batches, spent much of a program's life starting and finishing it)."""
     # The producers' bf16 feature copies hold the MX values: S and dP come out exact, in value units.
     EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
 
@@ -776,7 +783,7 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     items = work.shape[0] * prep.heads_kv
     if not items:
         return
-    _attention_backward_kernel[(program_count(items, causal, dk.device),)](
+    _attention_backward_kernel[(program_count(items, prep, causal, dk.device),)](
         *_descriptors(prep, dq_accum), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
         prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, work.shape[0], prep.total_q,
         prep.total_k, prep.padded_q, prep.batch, softmax_scale,
@@ -785,14 +792,18 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     )
 
 
-def program_count(items: int, causal: bool, device: torch.device) -> int:
-    """Programs of a launch of ``items`` work items. Without a mask, one per SM (its shared memory holds
-    one), each taking the items in turn: a sequence's key tiles cost the same and the longest sequences
-    come first, so taking them in turn shares the work out evenly. A causal batch's tile costs fall
-    along each sequence (the first key tile sees every query, the last only its own), and in turn one
-    program would draw the expensive tile of sequence after sequence; it gets one program per item,
-    and the hardware starts each on the SM the last one freed."""
-    return items if causal else min(items, resident_programs(device))
+def program_count(items: int, prep: Prepared, causal: bool, device: torch.device) -> int:
+    """Programs of a launch of ``items`` work items. Where tiles are short and unmasked
+    (:func:`short_programs`, not causal), one per SM (its shared memory holds one), each taking the
+    items in turn: a tile's first loads then overlap the previous tile's last steps and its stores, and
+    the setup is paid once; a sequence's key tiles cost the same and the longest sequences come first,
+    so taking them in turn shares the work out evenly. Elsewhere one program per item, which the
+    hardware starts on the SM the last one freed: long tiles gain little from the overlap, and taking
+    them in turn lost up to 12% (the first programs drew the dearest item of each round), causal
+    batches most (a causal tile's cost falls along its sequence, docs/perf-history.md)."""
+    if short_programs(prep) and not causal:
+        return min(items, resident_programs(device))
+    return items
 
 
 @functools.cache
