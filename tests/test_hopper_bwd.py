@@ -501,11 +501,12 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     assert torch.equal(exact.delta, fp8.delta) and torch.equal(exact.lse2, fp8.lse2)
 
 
-@pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores, staged_stores",
-                         [(128, True, True, True, True), (128, False, True, False, False),
-                          (128, False, True, False, True), (128, True, True, False, True),
-                          (64, False, False, True, True)])
-def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, staged_stores):
+@pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores, staged_stores, in_turn",
+                         [(128, True, True, True, True, False), (128, False, True, False, False, False),
+                          (128, False, True, False, True, True), (128, True, True, False, True, False),
+                          (64, False, False, True, True, True)])
+def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, staged_stores,
+                                                     in_turn):
     """FP8 wgmma for dV, dK and dQ (P^T and dS^T straight from registers), S^T and dP^T by bf16
     wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
     warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated; and no wgmma
@@ -525,7 +526,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
                      total_q="i32", total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
-                      STAGED_STORES=staged_stores, **sm90_backward.tile_config(dim))
+                      STAGED_STORES=staged_stores, IN_TURN=in_turn, **sm90_backward.tile_config(dim))
     signature.update({name: "constexpr" for name in constexprs})
     ptx, shared = compile_kernel("jagged_attn.kernels.sm90.backward", "_attention_backward_kernel", signature,
                                  constexprs, arch=90, gluon=True)

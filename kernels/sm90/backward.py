@@ -420,43 +420,63 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
 def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd,
                             dq_desc, items, padded_q, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
-                            ACCUMULATE_DQ: gl.constexpr):
-    """The default warpgroup, over the program's work items: streams each step's query-side operands
-    into the stage ring, STAGES steps ahead of the consumers, and (ACCUMULATE_DQ) loads each tile's K^T
-    and adds each step's dQ partial once both consumers published their dS, so the consumers never
-    wait for each other. Steps are counted across tiles (``step``): the ring and the dS buffers run on."""
-    step = 0
-    tiles_done = 0
-    for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
-        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+                            ACCUMULATE_DQ: gl.constexpr, IN_TURN: gl.constexpr):
+    """The default warpgroup over the program's work items (its one item unless IN_TURN), each by
+    :func:`_load_tile_and_accumulate_dq`. Steps are counted across tiles (``step``): the ring and the
+    dS buffers run on from tile to tile."""
+    if IN_TURN:
+        step = 0
+        tiles_done = 0
+        for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
+            tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+            if tile.seq >= 0:
+                _load_tile_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
+                                             dq_even, dq_odd, dq_desc, tile, step, tiles_done & 1, padded_q, HEADS_Q,
+                                             D, STAGES, EXACT, ACCUMULATE_DQ)
+                step += tile.n_steps
+                tiles_done += 1
+    else:
+        tile = _key_tile(items, gl.program_id(0), HEADS_Q, HEADS_KV, CAUSAL)
         if tile.seq >= 0:
-            if ACCUMULATE_DQ:  # the previous tile's dQ wgmmas, the only readers of K^T, are done
-                mbarrier.expect(kv.kt_ready, CONSUMERS * kv.kt_desc.block_type.nbytes)
-                for c in gl.static_range(CONSUMERS):
-                    tma.async_copy_global_to_shared(
-                        kv.kt_desc, [tile.kv_head * D, (tile.padded_k_start + tile.n_start + c * KEYS_PER_CONSUMER)
-                                     .to(gl.int32)], kv.kt_ready, kv.kt.index(c))
-            n_steps = tile.n_steps
-            load_head, load_m0 = tile.first_head, tile.m_lo  # the query tile of the next step to load
-            for i in range(gl.minimum(n_steps, STAGES)):
-                _load_step(step + i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages,
-                           tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
-                load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
-            if ACCUMULATE_DQ:
-                mbarrier.wait(kv.kt_ready, tiles_done & 1)
-            head, m0 = tile.first_head, tile.m_lo
-            for i in range(n_steps):
-                if i + STAGES < n_steps:
-                    _load_step(step + i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
-                               stages, tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
-                    load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
-                if ACCUMULATE_DQ:
-                    _dq_step(step + i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, tile.q_start, D)
-                head, m0 = _next_query_tile(head, m0, tile.m_lo, tile.m_end)
-            step += n_steps
-            tiles_done += 1
+            _load_tile_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
+                                         dq_even, dq_odd, dq_desc, tile, 0, 0, padded_q, HEADS_Q, D, STAGES, EXACT,
+                                         ACCUMULATE_DQ)
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
+
+
+@gluon.jit
+def _load_tile_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even,
+                                 dq_odd, dq_desc, tile, first_step, kt_phase, padded_q, HEADS_Q: gl.constexpr,
+                                 D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
+                                 ACCUMULATE_DQ: gl.constexpr):
+    """The default warpgroup on one key tile: streams each step's query-side operands into the stage
+    ring (the ring's steps from ``first_step`` on), STAGES steps ahead of the consumers, and
+    (ACCUMULATE_DQ) loads the tile's K^T and adds each step's dQ partial once both consumers published
+    their dS, so the consumers never wait for each other."""
+    if ACCUMULATE_DQ:  # the previous tile's dQ wgmmas, the only readers of K^T, are done
+        mbarrier.expect(kv.kt_ready, CONSUMERS * kv.kt_desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(
+                kv.kt_desc, [tile.kv_head * D, (tile.padded_k_start + tile.n_start + c * KEYS_PER_CONSUMER)
+                             .to(gl.int32)], kv.kt_ready, kv.kt.index(c))
+    n_steps = tile.n_steps
+    load_head, load_m0 = tile.first_head, tile.m_lo  # the query tile of the next step to load
+    for i in range(gl.minimum(n_steps, STAGES)):
+        _load_step(first_step + i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages,
+                   tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
+        load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
+    if ACCUMULATE_DQ:
+        mbarrier.wait(kv.kt_ready, kt_phase)
+    head, m0 = tile.first_head, tile.m_lo
+    for i in range(n_steps):
+        if i + STAGES < n_steps:
+            _load_step(first_step + i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
+                       stages, tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
+            load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
+        if ACCUMULATE_DQ:
+            _dq_step(first_step + i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, tile.q_start, D)
+        head, m0 = _next_query_tile(head, m0, tile.m_lo, tile.m_end)
 
 
 @gluon.jit
@@ -485,30 +505,50 @@ def _tile_amax(x, exchange_smem):
 def _consume(kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
-             STAGED_STORES: gl.constexpr):
+             STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
     """One consumer warpgroup over the program's work items (those of :func:`_load_and_accumulate_dq`,
     in the same order, steps counted across them the same way)."""
-    step = 0
-    tiles_done = 0
-    for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
-        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
-        if tile.seq >= 0:
-            dk_acc, dv_acc, ds_byte = _accumulate_key_gradients(
-                kv, stages, exchange, amax_smem, grads, tile, step, tiles_done & 1, items.total_k, softmax_scale,
-                CONSUMER, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ)
-            # The tile described again from its item, not kept: its fields would hold registers
-            # through the steps' loop, where the consumers have none to spare.
+    if IN_TURN:
+        step = 0
+        tiles_done = 0
+        for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
             tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
-            _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, items.total_k, batch, softmax_scale,
-                                 CONSUMER, HEADS_KV, D, STAGED_STORES)
-            step += tile.n_steps
-            tiles_done += 1
+            if tile.seq >= 0:
+                _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, step, tiles_done & 1, batch,
+                              softmax_scale, CONSUMER, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
+                              STAGED_STORES, IN_TURN)
+                step += tile.n_steps
+                tiles_done += 1
+    else:
+        item = gl.program_id(0)
+        if _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL).seq >= 0:
+            _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, 0, 0, batch, softmax_scale, CONSUMER,
+                          HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES, IN_TURN)
+
+
+@gluon.jit
+def _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, first_step, kv_phase, batch, softmax_scale,
+                  CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
+                  STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
+    """One consumer warpgroup on work item ``item`` (a key tile with steps): its dK and dV, accumulated
+    and stored."""
+    tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+    dk_acc, dv_acc, ds_byte = _accumulate_key_gradients(
+        kv, stages, exchange, amax_smem, grads, tile, first_step, kv_phase, items.total_k, softmax_scale,
+        CONSUMER, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)
+    # The tile described again from its item, not kept: its fields would hold registers through the
+    # steps' loop, where the consumers have none to spare.
+    tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+    _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, items.total_k, batch, softmax_scale,
+                         CONSUMER, HEADS_KV, D, STAGED_STORES)
 
 
 @gluon.jit
 def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, first_step, kv_phase, total_k,
                               softmax_scale, CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
+                              CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
+                              IN_TURN: gl.constexpr):
     """One consumer warpgroup on one key tile: dK and dV of its 64 keys (fp32 accumulators in the
     wgmma layout, dK on the running dS scale ``ds_byte``, returned with it) over every streamed query
     tile (the ring's steps from ``first_step`` on), and each step's dS for the dQ warpgroup."""
@@ -526,10 +566,9 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     k_smem = kv.k.index(CONSUMER)
     v_smem = kv.v.index(CONSUMER)
     ready = kv.ready.index(CONSUMER)
-    # The previous tile's last reads of K and V (its wgmmas, its staged stores) are done in every warp
-    # before the copies overwrite them.
-    gl.thread_barrier()
-    fence_async_shared()
+    if IN_TURN:  # the previous tile's last reads of K and V (wgmmas, staged stores) done in every warp
+        gl.thread_barrier()
+        fence_async_shared()
     mbarrier.expect(ready, kv.k_desc.block_type.nbytes + kv.v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(kv.k_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, k_smem)
     tma.async_copy_global_to_shared(kv.v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
@@ -669,12 +708,14 @@ def _attention_backward_kernel(
     qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, slots, total_q, total_k, padded_q,
     batch, softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, STAGED_STORES: gl.constexpr,
+    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr,
 ):
-    """Each program takes work items ``program, program + programs, ...`` (:func:`_key_tile`; how many
-    programs: :func:`program_count`) with its shared memory, barriers and stage ring set up once, so a
-    tile's first loads overlap the previous tile's last steps and its dK / dV stores (short key tiles,
-    as on cross-attention batches, spent much of a program's life starting and finishing it)."""
+    """Program p takes work item p (:func:`_key_tile`) or, IN_TURN (fewer programs than items:
+    :func:`program_count`), items ``p, p + programs, ...`` with its shared memory, barriers and stage
+    ring set up once, so a tile's first loads overlap the previous tile's last steps and its dK / dV
+    stores (short key tiles, as on cross-attention batches, spent much of a program's life starting
+    and finishing it). One item per program compiles without the item loop: its counters cost long
+    tiles' steps instructions and registers."""
     # The producers' bf16 feature copies hold the MX values: S and dP come out exact, in value units.
     EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
 
@@ -723,11 +764,13 @@ def _attention_backward_kernel(
         [
             (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
                                        dq_even, dq_odd, dq_desc, items, padded_q, HEADS_Q, HEADS_KV, D, STAGES,
-                                       CAUSAL, EXACT, ACCUMULATE_DQ)),
+                                       CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)),
             (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, items, batch,
-                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES)),
+                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES,
+                        IN_TURN)),
             (_consume, (kv, stages, exchange, amax_smem.slice(32, 32, dim=0), grads, items, batch,
-                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES)),
+                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES,
+                        IN_TURN)),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
@@ -783,12 +826,14 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     items = work.shape[0] * prep.heads_kv
     if not items:
         return
-    _attention_backward_kernel[(program_count(items, prep, causal, dk.device),)](
+    programs = program_count(items, prep, causal, dk.device)
+    _attention_backward_kernel[(programs,)](
         *_descriptors(prep, dq_accum), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
         prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, work.shape[0], prep.total_q,
         prep.total_k, prep.padded_q, prep.batch, softmax_scale,
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
-        STAGED_STORES=stages_gradient_stores(prep, dk.dtype), num_warps=4, **tile_config(prep.dim),
+        STAGED_STORES=stages_gradient_stores(prep, dk.dtype), IN_TURN=programs < items, num_warps=4,
+        **tile_config(prep.dim),
     )
 
 
