@@ -543,7 +543,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     assert "C7512" not in report
     # Non-causal, the consumers' step loops (those with their S^T and dP^T wgmmas) spill nothing with
     # the direct stores and at most one register (an STL / LDL pair per step) with the staged ones: with
-    # the persistent loop's counters live, the staging leaves the step loop one register short.
+    # the item loop's counters live (IN_TURN), the staging leaves the step loop one register short.
     steps = [body for body in innermost_loops(sass(ptx, 90))
              if sum(f"GMMA.64x64x{k}" in x for x in body for k in (16, 32)) >= 4]
     assert len(steps) >= 2
