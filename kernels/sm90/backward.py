@@ -514,26 +514,26 @@ def _consume(kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale
         for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
             tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
             if tile.seq >= 0:
-                _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, step, tiles_done & 1, batch,
+                _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, tile, step, tiles_done & 1, batch,
                               softmax_scale, CONSUMER, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
                               STAGED_STORES, IN_TURN)
                 step += tile.n_steps
                 tiles_done += 1
     else:
         item = gl.program_id(0)
-        if _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL).seq >= 0:
-            _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, 0, 0, batch, softmax_scale, CONSUMER,
-                          HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES, IN_TURN)
+        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+        if tile.seq >= 0:
+            _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, tile, 0, 0, batch, softmax_scale,
+                          CONSUMER, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES, IN_TURN)
 
 
 @gluon.jit
-def _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, first_step, kv_phase, batch, softmax_scale,
-                  CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
-                  STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
-    """One consumer warpgroup on work item ``item`` (a key tile with steps): its dK and dV, accumulated
-    and stored."""
-    tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+def _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, tile, first_step, kv_phase, batch,
+                  softmax_scale, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
+                  ACCUMULATE_DQ: gl.constexpr, STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
+    """One consumer warpgroup on work item ``item``, described by ``tile`` (:func:`_key_tile`, not an
+    empty slot): its dK and dV, accumulated and stored."""
     dk_acc, dv_acc, ds_byte = _accumulate_key_gradients(
         kv, stages, exchange, amax_smem, grads, tile, first_step, kv_phase, items.total_k, softmax_scale,
         CONSUMER, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)
