@@ -705,9 +705,10 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(monkeypatch, case, causal, p
     Gluon kernel's S and dP are exact (the Triton kernel's FP8 accumulation alone, measured up to
     7e-3), 2e-2 where both accumulate in FP8 differently (the Gluon kernel over all 128 channels,
     the Triton kernel's S promoted every 32; measured 1.015e-2 on one Gaussian draw, seed 25480521).
-    With the launch's own program count these batches give each program at most a tile or two; with 3 programs
-    each walks many, empty slots and tiles without steps among them, its barriers' phases and the
-    stage ring running on from tile to tile."""
+    With the launch's own program count each program takes one item (these batches have fewer items
+    than an H200 has SMs: the kernel compiled without the item loop); with 3 programs each walks many,
+    empty slots and tiles without steps among them, its barriers' phases and the stage ring running on
+    from tile to tile."""
     if programs is not None:
         monkeypatch.setattr(sm90_backward, "program_count", lambda items, prep, causal, device: min(items, programs))
     lengths_q, lengths_k, heads_q, heads_kv, dim = case
