@@ -11,7 +11,8 @@ from .backends import auto_backend_name, backend_name, check_head_dim, check_ker
 from .centering import centered_keys_values, uncentered_outputs
 from .jagged import split_heads, unpack_jagged
 from .mxfp8 import MXFP8Jagged, check_values
-from .offsets import check_offsets_facts, check_offsets_type, known_valid, offsets_facts, skip_value_check, value_checks
+from .offsets import (OFFSETS_FACTS, check_offsets_facts, check_offsets_type, known_valid, offsets_facts,
+                      skip_value_check, value_checks)
 from .reference import default_softmax_scale
 
 V_AXES = {"sequence": "sequence", "token": "feature"}  # v_scaling -> quantization axis of V
@@ -55,7 +56,7 @@ def check_offsets_pair(offsets_q, rows_q: int, offsets_k, rows_k: int, device: t
     if unknown:
         facts = torch.cat([offsets_facts(offsets) for offsets, _, _ in unknown]).tolist()  # the one wait
         for i, (offsets, rows, name) in enumerate(unknown):
-            check_offsets_facts(offsets, rows, name, facts[3 * i:3 * i + 3])
+            check_offsets_facts(offsets, rows, name, facts[OFFSETS_FACTS * i:OFFSETS_FACTS * (i + 1)])
     if offsets_q.numel() != offsets_k.numel():
         raise ValueError(f"{names[0]} and {names[1]} must describe the same batch size, got "
                          f"{offsets_q.numel() - 1} and {offsets_k.numel() - 1}")

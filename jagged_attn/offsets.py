@@ -73,8 +73,9 @@ def skip_value_check(t: torch.Tensor) -> bool:
     return getattr(_checks, "off", False) or values_unavailable(t)
 
 
-# Offsets tensors found valid, with (their version counter, the rows they were checked against): the
-# layers of a model share one offsets tensor per batch, so only the first validation reads the device.
+# Offsets tensors found valid, with (their version counter, the rows they were checked against, their
+# longest sequence): the layers of a model share one offsets tensor per batch, so only the first
+# validation reads the device.
 _valid_offsets = WeakIdKeyDictionary()
 
 
@@ -83,7 +84,14 @@ def known_valid(offsets: torch.Tensor, rows: int) -> bool:
     since (its version counter: a write around torch, by a kernel of one's own through its pointer, is
     not seen). Never for inference-mode tensors: they keep no version counter, so they are checked
     every time."""
-    return not offsets.is_inference() and _valid_offsets.get(offsets) == (offsets._version, rows)
+    entry = None if offsets.is_inference() else _valid_offsets.get(offsets)
+    return entry is not None and entry[:2] == (offsets._version, rows)
+
+
+def known_longest(offsets: torch.Tensor, rows: int) -> int | None:
+    """The longest sequence of ``offsets`` where it is :func:`known_valid` for ``rows`` (its check read
+    it with the rest, no wait of its own), else None."""
+    return _valid_offsets[offsets][2] if known_valid(offsets, rows) else None
 
 
 def check_offsets_type(offsets, name: str = "offsets") -> None:
@@ -96,12 +104,20 @@ def check_offsets_type(offsets, name: str = "offsets") -> None:
         raise ValueError(f"{name} must be 1-D with at least one element, got shape {tuple(offsets.shape)}")
 
 
+OFFSETS_FACTS = 4  # the length of :func:`offsets_facts`
+
+
 def offsets_facts(offsets: torch.Tensor) -> torch.Tensor:
-    """int64 ``[3]`` on the offsets' device, formed without waiting for it: the first offset, the last,
-    and 1 if some offset is below its predecessor (else 0). Reading it (``.tolist()``) is the one wait."""
+    """int64 ``[OFFSETS_FACTS]`` on the offsets' device, formed without waiting for it: the first offset,
+    the last, 1 if some offset is below its predecessor (else 0) and the longest sequence. Reading it
+    (``.tolist()``) is the one wait."""
     o = offsets.to(torch.int64)
-    decreases = (o[1:] < o[:-1]).any() if o.numel() > 1 else torch.zeros((), dtype=torch.bool, device=o.device)
-    return torch.stack([o[0], o[-1], decreases.to(torch.int64)])
+    if o.numel() > 1:
+        steps = o[1:] - o[:-1]
+        decreases, longest = (steps < 0).any().to(torch.int64), steps.max()
+    else:
+        decreases = longest = torch.zeros((), dtype=torch.int64, device=o.device)
+    return torch.stack([o[0], o[-1], decreases, longest])
 
 
 def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
@@ -116,7 +132,7 @@ def validate_offsets(offsets, rows: int, name: str = "offsets") -> torch.Tensor:
 def check_offsets_facts(offsets: torch.Tensor, rows: int, name: str, facts) -> None:
     """The value part of :func:`validate_offsets`, on ``facts``: its :func:`offsets_facts` read by the
     caller (so that one wait serves several tensors); remembers ``offsets`` as valid."""
-    first, last, decreases = facts
+    first, last, decreases, longest = facts
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
     if decreases:
@@ -124,7 +140,7 @@ def check_offsets_facts(offsets: torch.Tensor, rows: int, name: str, facts) -> N
     if last != rows:
         raise ValueError(f"{name}[-1] must equal the number of rows ({rows}), got {last}")
     if not offsets.is_inference():
-        _valid_offsets[offsets] = (offsets._version, rows)
+        _valid_offsets[offsets] = (offsets._version, rows, longest)
 
 
 def single_sequence_offsets(rows: int, device) -> torch.Tensor:

@@ -25,7 +25,7 @@ from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.kernels.common.schedule import slot_tiles, tile_list
-from jagged_attn.offsets import offsets_from_lengths, padded_seq_start, padded_total
+from jagged_attn.offsets import offsets_from_lengths, padded_seq_start, padded_total, validate_offsets
 from jagged_attn.reference import reference_backward, reference_forward, softmax_delta
 
 from compile_util import (HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, innermost_loops,
@@ -384,7 +384,7 @@ def test_gluon_kernel_arguments_build_on_the_host():
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
-    dq_accum = torch.zeros(prep.total_q + sm90_backward.BLOCK_M.value, heads_q, dim)
+    dq_accum = sm90_backward.dq_accumulator(prep.total_q, heads_q, dim, "cpu", torch.bfloat16)
     descriptors = sm90_backward._descriptors(prep, dq_accum)
     rows = sm90_backward.BLOCK_M.value
     assert [d.block_shape for d in descriptors] == [[rows, dim], [dim, rows], [64, dim], [dim, 64], [64, dim],
@@ -501,15 +501,18 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     assert torch.equal(exact.delta, fp8.delta) and torch.equal(exact.lse2, fp8.lse2)
 
 
-@pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores, staged_stores, in_turn",
-                         [(128, True, True, True, True, False), (128, False, True, False, False, False),
-                          (128, False, True, False, True, True), (128, True, True, False, True, False),
-                          (64, False, False, True, True, True)])
+@pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores, staged_stores, in_turn, dq_dtype",
+                         [(128, True, True, True, True, False, torch.float32),
+                          (128, False, True, False, False, False, torch.bfloat16),
+                          (128, False, True, False, True, True, torch.float32),
+                          (128, True, True, False, True, False, torch.bfloat16),
+                          (64, False, False, True, True, True, torch.bfloat16)])
 def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, staged_stores,
-                                                     in_turn):
+                                                     in_turn, dq_dtype):
     """FP8 wgmma for dV, dK and dQ (P^T and dS^T straight from registers), S^T and dP^T by bf16
     wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
-    warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated; and no wgmma
+    warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated, in either dtype of its
+    sums (the dQ loop spill-free with bf16 ones); and no wgmma
     serialized by ptxas, which it does to every wgmma of the kernel when one partition is short of
     registers (note C7512: 23.9 against 21.7 ms on an H200); and no shuffle reductions: each
     consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``; gl.max's shuffle
@@ -520,7 +523,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=exact_scores)
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
-    dq_accum = torch.zeros(q.shape[0] + sm90_backward.BLOCK_M.value, 8, dim)
+    dq_accum = sm90_backward.dq_accumulator(q.shape[0], 8, dim, "cpu", dq_dtype)
     signature = {name: descriptor_type(d) for name, d in zip(names, sm90_backward._descriptors(prep, dq_accum))}
     signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale")})
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
@@ -550,6 +553,13 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     local = max(sum(bool(re.search(r"\b(STL|LDL)", x)) for x in body) for body in steps)
     assert causal or local <= (2 if staged_stores else 0)
     assert "redux.sync.max.s32" in ptx and "shfl.sync.bfly" not in ptx
+    # The dQ warpgroup's step loop (its N = DQ_PIECE wgmmas): with bf16 sums it keeps everything in its 56
+    # registers (fp32 sums: one STL / LDL pair a step, a 64-bit address evicted).
+    dq_steps = [body for body in innermost_loops(sass(ptx, 90))
+                if any(f"GMMA.64x{sm90_backward.DQ_PIECE.value}x32" in x for x in body)]
+    assert len(dq_steps) == (1 if accumulate_dq else 0)
+    if accumulate_dq and dq_dtype == torch.bfloat16:
+        assert not any(re.search(r"\b(STL|LDL)", x) for x in dq_steps[0])
 
 
 @pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q"])
@@ -678,6 +688,26 @@ GLUON_CASES = [
     ([1, 31, 129, 300, 0], [5, 200, 129, 64, 7], 8, 2, 128),  # cross, GQA
     ([64, 257, 1000], [300, 257, 90], 2, 1, 64),  # MQA, d64
 ]
+
+
+def test_dq_sums_are_bf16_only_where_every_key_sequence_is_known_short():
+    """``dq_accum_dtype``: bf16 where the offsets' check learned that no key sequence exceeds
+    ``BF16_DQ_MAX_KEYS`` (each add's rounding grows with the key tiles a query sums over), fp32 where
+    one does or where nothing was learned (value checks off, or offsets written since)."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 40], [5, 200], 2, 1, 64)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    prep.offsets_k = fresh = offsets_k.clone()
+    assert sm90_backward.dq_accum_dtype(prep) == torch.float32  # never checked
+    validate_offsets(fresh, k.shape[0])
+    assert sm90_backward.dq_accum_dtype(prep) == torch.bfloat16
+    fresh[1:] += 0  # written: what the check learned no longer holds
+    assert sm90_backward.dq_accum_dtype(prep) == torch.float32
+    lengths = [1, sm90_backward.BF16_DQ_MAX_KEYS + 1]
+    long_offsets = offsets_from_lengths(torch.tensor(lengths))
+    validate_offsets(long_offsets, sum(lengths))
+    prep.offsets_k, prep.total_k = long_offsets, sum(lengths)
+    assert sm90_backward.dq_accum_dtype(prep) == torch.float32
 
 
 def test_programs_take_items_in_turn_only_where_tiles_are_short_and_unmasked(monkeypatch):
@@ -818,6 +848,25 @@ def test_gpu_fp8_gradient_stores_staged_or_straight_agree(monkeypatch, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bf16_dq_sums_stay_within_their_rounding(monkeypatch, causal):
+    """dQ from bf16 sums against fp32 sums, the same inputs, on a batch whose longest key sequence is
+    ``BF16_DQ_MAX_KEYS`` (its first queries sum 128 key tiles): within 2e-2 (simulated: 1.3e-2,
+    ``BF16_DQ_MAX_KEYS``'s note); dK and dV bit for bit the same."""
+    lengths_q, lengths_k = [64, 300, 1], [sm90_backward.BF16_DQ_MAX_KEYS, 700, 129]
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, 4, 2, 128, device="cuda",
+                                                      dtype=torch.bfloat16)
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, 128**-0.5)
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr(sm90_backward, "dq_accum_dtype", functools.partial(lambda prep, d: d, d=dtype))
+        grads[dtype] = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, 128**-0.5, scores="fp8")
+    (dq32, dk32, dv32), (dq16, dk16, dv16) = grads[torch.float32], grads[torch.bfloat16]
+    assert torch.isfinite(dq16).all() and rel_l2(dq16, dq32) < 2e-2, f"dQ moved by {rel_l2(dq16, dq32):.3e}"
+    assert torch.equal(dk16, dk32) and torch.equal(dv16, dv32)
+
+
+@pytest.mark.gpu
 def test_gpu_mxfp8_vs_bf16_gradients():
     """How far MXFP8 gradients are from fp64, next to BF16 attention's (torch SDPA) gradients."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -893,7 +942,7 @@ def test_gpu_timing():
         prep = backward_passes.Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
         # The deterministic path's portable dQ kernel reads K^T in natural order (sm90_backward.preparation).
         det_prep = backward_passes.Prepared(*problem, **sm90_backward.preparation(True), exact_scores=True)
-        dq_accum = torch.zeros(q.shape[0] + sm90_backward.BLOCK_M.value, *q.shape[1:], device="cuda")
+        dq_accum = sm90_backward.dq_accumulator(q.shape[0], *q.shape[1:], "cuda", sm90_backward.dq_accum_dtype(prep))
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [

@@ -302,7 +302,8 @@ def test_value_checks_off_skips_only_the_checks_that_read_values():
 
 def test_offsets_are_read_once_until_written(monkeypatch):
     """validate_offsets reads an offsets tensor's facts from the device once; again only for other rows
-    or after an in-place write (its version counter), which can make it invalid."""
+    or after an in-place write (its version counter), which can make it invalid. The longest sequence
+    comes with them (``known_longest``), for as long as they hold."""
     from jagged_attn import interface, offsets as offsets_module
 
     reads = []
@@ -310,13 +311,16 @@ def test_offsets_are_read_once_until_written(monkeypatch):
     for module in (offsets_module, interface):
         monkeypatch.setattr(module, "offsets_facts", lambda o: reads.append(1) or facts(o))
     offsets = offsets_from_lengths(torch.tensor([3, 0, 5]))
+    assert offsets_module.known_longest(offsets, 8) is None
     for _ in range(3):
         offsets_module.validate_offsets(offsets, 8)
     assert len(reads) == 1
+    assert offsets_module.known_longest(offsets, 8) == 5 and offsets_module.known_longest(offsets, 9) is None
     with pytest.raises(ValueError, match="must equal the number of rows"):
         offsets_module.validate_offsets(offsets, 9)
     assert len(reads) == 2
     offsets[1] = 6  # 0, 6, 3, 8: now decreasing
+    assert offsets_module.known_longest(offsets, 8) is None
     with pytest.raises(ValueError, match="non-decreasing"):
         offsets_module.validate_offsets(offsets, 8)
     q, k, v, oq, ok = _inputs()

@@ -203,7 +203,7 @@ def _finish_dq_kernel(
     dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, tiles_ptr, total, batch, softmax_scale,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
 ):
-    """dQ of one (TILE-token tile of a sequence, query head) from ``sm90.backward``'s fp32 sums
+    """dQ of one (TILE-token tile of a sequence, query head) from ``sm90.backward``'s sums
     (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
     channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS_Q)
@@ -363,7 +363,7 @@ class Prepared:
 
 
 def finish_dq(dq_accum, prep, dq, softmax_scale: float) -> None:
-    """dQ into ``dq`` from ``sm90.backward``'s fp32 sums ``dq_accum`` of the call ``prep`` prepared."""
+    """dQ into ``dq`` from ``sm90.backward``'s sums ``dq_accum`` of the call ``prep`` prepared."""
     _finish_dq_kernel[(prep.tiles_q.shape[0] * prep.heads_q,)](
         dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
         prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,

@@ -23,7 +23,8 @@ shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.p
 order (the forward's trick for V^T, here along queries). dK's wgmma starts from a zero accumulator
 each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which biases
 small steps against a large running sum); dV chains (measured accurate enough, and registers are
-short). dQ's fp32 partials are added in L2, in units that ``backward_passes.finish_dq`` scales.
+short). dQ's partials are added in L2, in bf16 on batches of at most 16k keys a sequence (``dq_accum_dtype``),
+in units that ``backward_passes.finish_dq`` scales.
 
 S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
 (``scores="bf16"``, backend ``hopper-exact-scores``: fp32 accumulation, so S and dP are exact, with no
@@ -63,6 +64,8 @@ from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
+from jagged_attn.offsets import known_longest
+
 from ..common import bounds, layout
 from ..common.layout import SCORE_MODES
 from ..common.schedule import work_list
@@ -86,7 +89,13 @@ BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per pr
 BLOCK_M = gl.constexpr(64)  # queries per stage
 QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.value.bit_length() - 1))
 KEY_DIMS = gl.constexpr(layout.key_order_dims(layout.ds_key_slot, KEYS_PER_CONSUMER.value.bit_length() - 1))
-DQ_PIECE = gl.constexpr(32)  # fp32 columns of one dQ reduce-add box: 128 bytes, the widest swizzled TMA box
+DQ_PIECE = gl.constexpr(32)  # columns of one dQ reduce-add box (the piece's accumulator: 16 registers)
+# dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
+# keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
+# pass. Each add rounds the running sum to 8 bits: simulated, dQ moves by 0.5% at 2k keys, 1.3% at 16k and
+# 2.4% at 64k, beside the ~5% that the FP8 operands already put on it (docs/perf-history.md v34), so past
+# 16k keys (or where the longest is not known without a wait: value checks off) the sums stay fp32.
+BF16_DQ_MAX_KEYS = 16384
 # dQ chains consumer 0's product (|sum| < 64 * 448^2 < 2^24) times scale0 / scale1 into one fp32
 # accumulator, so that ratio must stay below 2^100. Only when consumer 1's dS scale is below 2^-100
 # of consumer 0's (in practice: its key tile is empty, still on the smallest scale) is it raised to
@@ -406,7 +415,7 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
         part = warpgroup_mma(ds1, k1, part * ratio, is_async=True)
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
         staging = dq_even if piece % 2 == 0 else dq_odd
-        staging.store(part * scale1)
+        staging.store((part * scale1).to(staging.dtype))
         fence_async_shared()
         # One barrier per piece: every thread's part is written, and the issuing thread has seen the
         # previous piece's add read the other buffer, which the next piece writes.
@@ -733,8 +742,8 @@ def _attention_backward_kernel(
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
     # next piece is written to the other; two allocations, not one of two slots, so that the
     # compiler sees the store does not race the add and adds no barrier of its own.
-    dq_even = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_PIECE], dq_desc.layout)
-    dq_odd = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ_PIECE], dq_desc.layout)
+    dq_even = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, DQ_PIECE], dq_desc.layout)
+    dq_odd = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, DQ_PIECE], dq_desc.layout)
     # Each consumer's [32, 4] exchange of its warps' |dS| maxima (_tile_amax).
     amax_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS * 32, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -792,8 +801,8 @@ def _padded_row_vectors(prep: Prepared) -> TensorDescriptor:
 
 def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
     """The kernel's TMA descriptors, in its argument order: Q, Q^T, K, K^T, V, dO, dO^T (query tiles of
-    ``BLOCK_M`` tokens, key tiles of one consumer's keys), the padded per-query vectors and the fp32
-    ``dq_accum`` (``[BLOCK_M, DQ_PIECE]`` boxes, 128-byte swizzled)."""
+    ``BLOCK_M`` tokens, key tiles of one consumer's keys), the padded per-query vectors and
+    ``dq_accum`` (:func:`dq_accumulator`'s, ``[BLOCK_M, DQ_PIECE]`` boxes, swizzled by their row's bytes)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     dim, keys = prep.dim, KEYS_PER_CONSUMER.value
     feature, transposed = [BLOCK_M.value, dim], [dim, BLOCK_M.value]
@@ -807,15 +816,16 @@ def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
         operand_descriptor(do.sequence.view(prep.heads_q * dim, -1), transposed),
         _padded_row_vectors(prep),
         TensorDescriptor.from_tensor(dq_accum.view(dq_accum.shape[0], -1), [BLOCK_M.value, DQ_PIECE.value],
-                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)),
+                                     gl.NVMMASharedLayout(swizzle_byte_width=DQ_PIECE.value * dq_accum.element_size(),
+                                                          element_bitwidth=8 * dq_accum.element_size(), rank=2)),
     )
 
 
 def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, softmax_scale: float,
            causal: bool, accumulate_dq: bool) -> None:
-    """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into the fp32 ``dq_accum``
-    ``[total_q + BLOCK_M, Hq, D]`` (tiles are added unmasked: the spare rows take the overhang);
-    without ``accumulate_dq`` it is never touched (``[BLOCK_M, Hq, D]`` serves its descriptor).
+    """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into ``dq_accum``
+    (:func:`dq_accumulator`'s for ``total_q`` rows); without ``accumulate_dq`` it is never touched (one for
+    0 rows serves its descriptor).
     ``prep`` is the producers' output (:class:`Prepared`), made with ``query_order=PV_ORDER`` and, with
     ``accumulate_dq``, ``key_order=DS_ORDER`` (``layout``'s token orders)."""
     if prep.query_order != layout.PV_ORDER or (accumulate_dq and prep.key_order != layout.DS_ORDER):
@@ -835,6 +845,19 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
         STAGED_STORES=stages_gradient_stores(prep, dk.dtype), IN_TURN=programs < items, num_warps=4,
         **tile_config(prep.dim),
     )
+
+
+def dq_accum_dtype(prep: Prepared) -> torch.dtype:
+    """What the kernel adds dQ's partials in: bf16 where the longest key sequence is known to be at most
+    ``BF16_DQ_MAX_KEYS`` (``offsets.known_longest``: read by the offsets' check), fp32 elsewhere."""
+    longest = known_longest(prep.offsets_k, prep.total_k)
+    return torch.bfloat16 if longest is not None and longest <= BF16_DQ_MAX_KEYS else torch.float32
+
+
+def dq_accumulator(total_q: int, heads_q: int, dim: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed ``[total_q + BLOCK_M, Hq, D]`` (``dtype``: :func:`dq_accum_dtype`) for the kernel's dQ sums: it
+    adds its tiles unmasked, and the ``BLOCK_M`` spare rows take what overhangs the last sequence (zeros)."""
+    return torch.zeros(total_q + BLOCK_M.value, heads_q, dim, dtype=dtype, device=device)
 
 
 def program_count(items: int, prep: Prepared, causal: bool, device: torch.device) -> int:
@@ -876,10 +899,9 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=scores == "bf16", dlse=dlse,
                     **preparation(deterministic))
     if prep.total_k > 0:
-        # BLOCK_M spare rows: the kernel adds its dQ tiles unmasked; rows past a sequence add zeros.
-        # Deterministic, it adds none: one tile for the buffer's descriptor, not total_q zeroed rows.
-        rows = BLOCK_M.value + (0 if deterministic else prep.total_q)
-        dq_accum = torch.zeros(rows, prep.heads_q, prep.dim, dtype=torch.float32, device=dq.device)
+        # Deterministic, the kernel adds nothing: one tile for the buffer's descriptor, not total_q zeroed rows.
+        dq_accum = dq_accumulator(0 if deterministic else prep.total_q, prep.heads_q, prep.dim, dq.device,
+                                  dq_accum_dtype(prep))
         launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal, accumulate_dq=not deterministic)
     if prep.total_q == 0:
         return
@@ -899,7 +921,7 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     ``scores="bf16"``: S and dP from bf16 wgmmas on the MX values of Q, K, V and dO (exact, fp32
     accumulation); "fp8": from FP8 wgmma (~13-bit accumulation; gradients 1.5e-2 to 2e-1 from the
     reference backend on heavy-tailed and outlier inputs, docs/perf-history.md). dQ's partials
-    are added into an fp32 buffer by TMA reduce-adds (the order varies run to run) and scaled by
+    are added into a bf16 or fp32 buffer (``dq_accum_dtype``) by TMA reduce-adds (the order varies run to run) and scaled by
     ``backward_passes.finish_dq``; ``deterministic=True`` leaves dQ to the portable deterministic
     kernel (bit-identical results, S and dP recomputed there)."""
     check_inputs(dout, q, k, v, out, lse, dlse, HEAD_DIMS)
