@@ -921,8 +921,8 @@ def attention_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal:
     ``scores="bf16"``: S and dP from bf16 wgmmas on the MX values of Q, K, V and dO (exact, fp32
     accumulation); "fp8": from FP8 wgmma (~13-bit accumulation; gradients 1.5e-2 to 2e-1 from the
     reference backend on heavy-tailed and outlier inputs, docs/perf-history.md). dQ's partials
-    are added into a bf16 or fp32 buffer (``dq_accum_dtype``) by TMA reduce-adds (the order varies run to run) and scaled by
-    ``backward_passes.finish_dq``; ``deterministic=True`` leaves dQ to the portable deterministic
+    are added into a bf16 or fp32 buffer (``dq_accum_dtype``) by TMA reduce-adds (the order varies run
+    to run) and scaled by ``backward_passes.finish_dq``; ``deterministic=True`` leaves dQ to the portable deterministic
     kernel (bit-identical results, S and dP recomputed there)."""
     check_inputs(dout, q, k, v, out, lse, dlse, HEAD_DIMS)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
