@@ -84,14 +84,14 @@ def known_valid(offsets: torch.Tensor, rows: int) -> bool:
     since (its version counter: a write around torch, by a kernel of one's own through its pointer, is
     not seen). Never for inference-mode tensors: they keep no version counter, so they are checked
     every time."""
-    entry = None if offsets.is_inference() else _valid_offsets.get(offsets)
-    return entry is not None and entry[:2] == (offsets._version, rows)
+    return known_longest(offsets, rows) is not None
 
 
 def known_longest(offsets: torch.Tensor, rows: int) -> int | None:
     """The longest sequence of ``offsets`` where it is :func:`known_valid` for ``rows`` (its check read
     it with the rest, no wait of its own), else None."""
-    return _valid_offsets[offsets][2] if known_valid(offsets, rows) else None
+    entry = None if offsets.is_inference() else _valid_offsets.get(offsets)
+    return entry[2] if entry is not None and entry[:2] == (offsets._version, rows) else None
 
 
 def check_offsets_type(offsets, name: str = "offsets") -> None:

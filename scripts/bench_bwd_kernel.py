@@ -65,8 +65,7 @@ def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
     prep = backward_passes.Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k,
                                     exact_scores=exact_scores, **sm90_backward.preparation(not accumulate_dq))
-    dq_dtype = sm90_backward.dq_accum_dtype(prep)
-    dq_accum = sm90_backward.dq_accumulator(w.q.shape[0], w.heads, w.dim, "cuda", dq_dtype)
+    dq_accum = sm90_backward.dq_accumulator(prep, "cuda")
     dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
 
     def kernel():
@@ -77,7 +76,7 @@ def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -
     sums = " ".join(f"{float(x.double().abs().sum()):.6e}" for x in (dq_accum, dk, dv))
     ms = median_ms(kernel)
     scores = "exact" if exact_scores else "FP8"
-    print(f"{w.name:28s} dQ={accumulate_dq!s:5s} ({str(dq_dtype)[6:]}) S, dP {scores:5s} kernel {ms:7.3f} ms = "
+    print(f"{w.name:28s} dQ={accumulate_dq!s:5s} ({str(dq_accum.dtype)[6:]}) S, dP {scores:5s} kernel {ms:7.3f} ms = "
           f"{w.tflops('bwd', ms):5.0f} TFLOP/s  |dQ| |dK| |dV| sums {sums}")
 
 

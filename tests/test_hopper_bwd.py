@@ -384,7 +384,7 @@ def test_gluon_kernel_arguments_build_on_the_host():
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, [2, 5, 7, 1], heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
-    dq_accum = sm90_backward.dq_accumulator(prep.total_q, heads_q, dim, "cpu", torch.bfloat16)
+    dq_accum = sm90_backward.dq_accumulator(prep, "cpu", dtype=torch.bfloat16)
     descriptors = sm90_backward._descriptors(prep, dq_accum)
     rows = sm90_backward.BLOCK_M.value
     assert [d.block_shape for d in descriptors] == [[rows, dim], [dim, rows], [64, dim], [dim, 64], [64, dim],
@@ -523,7 +523,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                 exact_scores=exact_scores)
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
-    dq_accum = sm90_backward.dq_accumulator(q.shape[0], 8, dim, "cpu", dq_dtype)
+    dq_accum = sm90_backward.dq_accumulator(prep, "cpu", dtype=dq_dtype)
     signature = {name: descriptor_type(d) for name, d in zip(names, sm90_backward._descriptors(prep, dq_accum))}
     signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale")})
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
@@ -942,7 +942,7 @@ def test_gpu_timing():
         prep = backward_passes.Prepared(*problem, **GLUON_PREPARATION, exact_scores=True)
         # The deterministic path's portable dQ kernel reads K^T in natural order (sm90_backward.preparation).
         det_prep = backward_passes.Prepared(*problem, **sm90_backward.preparation(True), exact_scores=True)
-        dq_accum = sm90_backward.dq_accumulator(q.shape[0], *q.shape[1:], "cuda", sm90_backward.dq_accum_dtype(prep))
+        dq_accum = sm90_backward.dq_accumulator(prep, "cuda")
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         launch = dict(softmax_scale=scale, causal=causal)
         parts = [

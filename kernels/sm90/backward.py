@@ -824,8 +824,8 @@ def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
 def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, softmax_scale: float,
            causal: bool, accumulate_dq: bool) -> None:
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into ``dq_accum``
-    (:func:`dq_accumulator`'s for ``total_q`` rows); without ``accumulate_dq`` it is never touched (one for
-    0 rows serves its descriptor).
+    (:func:`dq_accumulator`'s); without ``accumulate_dq`` it is never touched (one without ``adds`` serves
+    its descriptor).
     ``prep`` is the producers' output (:class:`Prepared`), made with ``query_order=PV_ORDER`` and, with
     ``accumulate_dq``, ``key_order=DS_ORDER`` (``layout``'s token orders)."""
     if prep.query_order != layout.PV_ORDER or (accumulate_dq and prep.key_order != layout.DS_ORDER):
@@ -854,10 +854,13 @@ def dq_accum_dtype(prep: Prepared) -> torch.dtype:
     return torch.bfloat16 if longest is not None and longest <= BF16_DQ_MAX_KEYS else torch.float32
 
 
-def dq_accumulator(total_q: int, heads_q: int, dim: int, device, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed ``[total_q + BLOCK_M, Hq, D]`` (``dtype``: :func:`dq_accum_dtype`) for the kernel's dQ sums: it
-    adds its tiles unmasked, and the ``BLOCK_M`` spare rows take what overhangs the last sequence (zeros)."""
-    return torch.zeros(total_q + BLOCK_M.value, heads_q, dim, dtype=dtype, device=device)
+def dq_accumulator(prep: Prepared, device, *, adds: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Zeroed ``[total_q + BLOCK_M, Hq, D]`` for the kernel's dQ sums of the call ``prep`` prepared, in ``dtype``
+    (:func:`dq_accum_dtype` unless given): the kernel adds its tiles unmasked, and the ``BLOCK_M`` spare rows
+    take what overhangs the last sequence (zeros). Without ``adds`` (no dQ accumulated) ``[BLOCK_M, Hq, D]``,
+    for the descriptor alone."""
+    rows = BLOCK_M.value + (prep.total_q if adds else 0)
+    return torch.zeros(rows, prep.heads_q, prep.dim, dtype=dtype or dq_accum_dtype(prep), device=device)
 
 
 def program_count(items: int, prep: Prepared, causal: bool, device: torch.device) -> int:
@@ -899,9 +902,7 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=scores == "bf16", dlse=dlse,
                     **preparation(deterministic))
     if prep.total_k > 0:
-        # Deterministic, the kernel adds nothing: one tile for the buffer's descriptor, not total_q zeroed rows.
-        dq_accum = dq_accumulator(0 if deterministic else prep.total_q, prep.heads_q, prep.dim, dq.device,
-                                  dq_accum_dtype(prep))
+        dq_accum = dq_accumulator(prep, dq.device, adds=not deterministic)
         launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal, accumulate_dq=not deterministic)
     if prep.total_q == 0:
         return
