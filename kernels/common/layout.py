@@ -41,8 +41,8 @@ def ds_key_slot(key):
     """Column of a key in the K^T copy that ``sm90.backward``'s dQ wgmmas read: key bit 3 moves to
     bit 0, bits 0-2 to 1-3 (inside each 16-key group). A thread holds keys r and r + 8 of each 16
     of dS^T (a wgmma accumulator, keys as rows); in this order they are adjacent bytes of dS's
-    key-contiguous rows (FP8 wgmma reads only K-major operands), so the consumers store dS two bytes
-    at a time straight from registers instead of transposing it."""
+    key-contiguous rows (FP8 wgmma reads only K-major operands): each thread packs its pairs into 16-bit
+    elements, which a transposing ``stmatrix`` writes as those rows, with no bytes moved between registers."""
     return (key & ~0xF) | ((key >> 3) & 0x1) | ((key & 0x7) << 1)
 
 

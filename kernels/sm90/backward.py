@@ -11,9 +11,9 @@ consumer warpgroups, 64 keys each, run per stage::
     P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta),  publish dS
     dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
 
-where publishing stores dS (e4m3, queries x keys) in shared memory straight from registers, two
-bytes at a time (keys in ``layout.ds_key_slot`` order, which the producer gives K^T too: no
-transpose through shared memory); the default warpgroup then forms the tile's
+where publishing stores dS (e4m3, queries x keys) in shared memory from registers as 16-bit key pairs
+by transposing ``stmatrix`` stores (keys in ``layout.ds_key_slot`` order, which the producer gives K^T
+too); the default warpgroup then forms the tile's
 dQ partial = dS K over both consumers' keys, 32 columns at a time, and adds it to global memory
 with TMA bulk reduce-adds. So the consumers never wait for each other (an earlier form coupled them
 through the per-step dS exchange, each computing half of dQ).
@@ -88,7 +88,6 @@ CONSUMERS = gl.constexpr(2)
 BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per program
 BLOCK_M = gl.constexpr(64)  # queries per stage
 QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.value.bit_length() - 1))
-KEY_DIMS = gl.constexpr(layout.key_order_dims(layout.ds_key_slot, KEYS_PER_CONSUMER.value.bit_length() - 1))
 DQ_PIECE = gl.constexpr(32)  # columns of one dQ reduce-add box (the piece's accumulator: 16 registers)
 # dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
 # keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
@@ -352,11 +351,18 @@ def _as_query_operand(x, operand_layout: gl.constexpr):
 
 
 @gluon.jit
-def _as_published_ds(ds8):
-    """dS^T ``[keys, BLOCK_M]`` (e4m3, S^T's accumulator layout) as dS ``[BLOCK_M, keys]`` with its
-    keys in ``layout.ds_key_slot`` order, with no data movement: each thread's keys r and r + 8 of
-    every 16 become adjacent bytes of a query's row (the K^T copy holds its keys in that order)."""
-    return layout.gluon_columns_in_key_order(ds8.permute((1, 0)), KEY_DIMS)
+def _published_key_pairs(ds):
+    """dS^T ``[keys, BLOCK_M]`` (fp32, S^T's accumulator layout) as dS ``[BLOCK_M, keys / 2]`` of int16
+    e4m3 pairs: keys r and r + 8 of each 16 in one pair (r in the low byte), the ``layout.ds_key_slot``
+    order of dS's key-contiguous rows. A thread holds both keys of a pair (rows r and r + 8 of its
+    warp's 16), so one ``cvt`` packs each pair and no bytes move between registers."""
+    KEYS: gl.constexpr = ds.shape[0]
+    # rows: (warp, register bit: r or r + 8, lane bits 2-4)
+    split = ds.reshape([KEYS // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1))
+    low, high = split.split()
+    pairs = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [low, high],
+                                      dtype=gl.int16, is_pure=True, pack=1)
+    return pairs.reshape([KEYS // 2, BLOCK_M]).permute((1, 0))
 
 
 @builtin
@@ -375,13 +381,16 @@ def _shared_scalar(smem):
 
 
 @gluon.jit
-def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
-    """Publish this warpgroup's dS (e4m3, queries x keys, keys contiguous: FP8 wgmma reads only
-    K-major operands) and its scale (``[1]``) in buffer i % 2 for the dQ warpgroup's wgmmas."""
+def _share_ds(ds, ds_byte, exchange, i, CONSUMER: gl.constexpr):
+    """Publish this warpgroup's dS (fp32 dS^T on the running scale ``ds_byte``) as e4m3, queries x keys,
+    keys contiguous (FP8 wgmma reads only K-major operands), and its scale (``[1]``) in buffer i % 2 for
+    the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
+    pairs = _published_key_pairs(ds)
     mbarrier.wait(exchange.free.index(buffer), ((i // 2) & 1) ^ 1)
-    exchange.ds.index(slot).store(_as_published_ds(ds8))
+    pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    exchange.ds.index(slot)._reinterpret(gl.int16, [BLOCK_M, KEYS_PER_CONSUMER // 2], pair_layout).store(pairs)
     exchange.scale.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
@@ -636,9 +645,12 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         if masked:
             if CAUSAL:
                 # One compare per element: the tile's column against the first one each key is
-                # visible to (none past the sequence's keys).
+                # visible to (none past the sequence's keys). A thread's columns are 8a + 2l + c (a, c:
+                # its registers, l: lane bits 0-1); compared as 8a + c against the threshold less 2l,
+                # the columns are constants and each row one register, not 16 live column indices.
                 first_column = gl.where(keys < len_k, bounds.first_query_seeing(keys, diagonal) - m0, BLOCK_M)
-                p = gl.where(gl.arange(0, BLOCK_M, layout=s_cols)[None, :] >= first_column[:, None], p, 0.0)
+                columns = gl.arange(0, BLOCK_M, layout=s_cols)
+                p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
             else:
                 p = gl.where(keys[:, None] < len_k, p, 0.0)
         q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
@@ -661,7 +673,7 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
         # the dQ warpgroup starts earlier.
         if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
-            _share_ds(ds8, ds_byte, exchange, i, CONSUMER)
+            _share_ds(ds, ds_byte, exchange, i, CONSUMER)
 
         dot_view = stages.dot.index(stage).permute((1, 0))
         dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
