@@ -67,9 +67,9 @@ PRODUCER_CHUNK = 64
 FINISH_DQ_WARPS = 8
 # The Hopper kernel's per-query vectors, rows of one flat fp32 [ROW_VECTORS, H, padded] buffer
 # (Prepared(row_vectors=True)): Q's token scale q; P_LSE2 = lse2 - log2(P_SCALE), so that
-# exp2(logits - P_LSE2) is P * P_SCALE; dO's token scale (FP8 scores only: neither written nor read on
-# the exact path); Q_DELTA = q * Delta.
-Q_FACTOR, P_LSE2, DO_FACTOR, Q_DELTA = (tl.constexpr(i) for i in range(4))
+# exp2(logits - P_LSE2) is P * P_SCALE; Q_DO_FACTOR = q times dO's token scale (FP8 scores only: neither
+# written nor read on the exact path); Q_DELTA = q * Delta.
+Q_FACTOR, P_LSE2, Q_DO_FACTOR, Q_DELTA = (tl.constexpr(i) for i in range(4))
 ROW_VECTORS = tl.constexpr(4)
 
 
@@ -150,8 +150,8 @@ def _quantize_kernel(
     them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
     fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
     ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``
-    etc.), the whole slot, zeros past the sequence's end.
+    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``;
+    with P_LSE2_ROW times Q's, ``Q_DO_FACTOR``), the whole slot, zeros past the sequence's end.
     P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
     the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
     DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
@@ -190,8 +190,11 @@ def _quantize_kernel(
                 data = data.to(tl.float32) * scale_value(byte)[:, None]
             tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
             tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-            if SCALE_ROW >= 0:
-                tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, scale_value(byte), 0.0))
+            if SCALE_ROW >= 0:  # dO's producer stores them times Q's (Q_DO_FACTOR)
+                row_factor = scale_value(byte)
+                if P_LSE2_ROW >= 0:
+                    row_factor *= q_factor
+                tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, row_factor, 0.0))
         if SEQUENCE:  # the whole slot, zeros past the end
             data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(sequence_byte)[None, :],
                                INTERPRET)
@@ -258,7 +261,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Hopper kernel's per-query vectors, fp32 ``[ROW_VECTORS, H, padded]``,
     each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
-    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's (``DO_FACTOR``: only for e4m3
+    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's times Q's (``Q_DO_FACTOR``: only for e4m3
     copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
     token scales from ``rows``: quantize Q first).
     """
@@ -293,7 +296,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     if rows is not None and with_delta:
         p_lse2_row, q_factor_row, q_delta_row = P_LSE2.value, Q_FACTOR.value, Q_DELTA.value
         if feature_dtype != torch.bfloat16:
-            scale_row = DO_FACTOR.value
+            scale_row = Q_DO_FACTOR.value
     elif rows is not None:
         scale_row = Q_FACTOR.value
     _quantize_kernel[grid](

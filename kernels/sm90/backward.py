@@ -72,7 +72,7 @@ from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 from ..portable.backward import launch_deterministic_dq
 from ..producers.backward_passes import (
-    DO_FACTOR,
+    Q_DO_FACTOR,
     P_LSE2,
     Q_DELTA,
     Q_FACTOR,
@@ -329,7 +329,7 @@ def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
                HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr):
     """The operands of step i (query head ``head``, rows from ``m0``) into stage i % STAGES once both
     consumers released it; with Q its token scales and P_LSE2, with dO Q_DELTA and (not EXACT: the
-    exact path's dP is in value units) its token scales (``rows_desc``: the flat
+    exact path's dP is in value units) Q_DO_FACTOR (``rows_desc``: the flat
     ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
     stage = i % STAGES
     mbarrier.wait(stages.empty.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -337,9 +337,9 @@ def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
     column = padded_q_start + m0
     _load_pair(q_desc, qt_desc, rows_desc, stages.q, stages.qt, stages.rows, stages.q_ready.index(stage), stage, head,
                row, column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
-    # dO's vectors: DO_FACTOR and Q_DELTA, or Q_DELTA alone (adjacent: Q_DELTA = DO_FACTOR + 1)
+    # dO's vectors: Q_DO_FACTOR and Q_DELTA, or Q_DELTA alone (adjacent: Q_DELTA = Q_DO_FACTOR + 1)
     _load_pair(do_desc, dot_desc, rows_desc, stages.do, stages.dot, stages.rows, stages.do_ready.index(stage), stage,
-               head, row, column, padded_q, DO_FACTOR + EXACT, 2 - EXACT, HEADS_Q, D)
+               head, row, column, padded_q, Q_DO_FACTOR + EXACT, 2 - EXACT, HEADS_Q, D)
 
 
 @gluon.jit
@@ -657,7 +657,7 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         if EXACT:
             q_dp = dp * q_factor[None, :] - q_delta[None, :]
         else:
-            q_do_factor = q_factor * stages.rows.index(rows + DO_FACTOR).load(s_cols)
+            q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
             q_dp = (dp * v_factor[:, None]) * q_do_factor[None, :] - q_delta[None, :]
         # dS' on the running scale so far (capped, see DS_PRESCALE_BYTE), moved onto the tile's new
         # scale only when it grew: one multiply per element fewer in the common case.
@@ -799,7 +799,7 @@ def _attention_backward_kernel(
 
 
 def _padded_row_vectors(prep: Prepared) -> TensorDescriptor:
-    """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``DO_FACTOR``, ``Q_DELTA``) as the producers wrote
+    """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``Q_DO_FACTOR``, ``Q_DELTA``) as the producers wrote
     them (``backward_passes.Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
     sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read ``BLOCK_M`` at a
     time (TMA needs a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
