@@ -406,8 +406,8 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     """With ``rows`` the Q and dO producers also write the token scales, P_LSE2 and Q_DELTA into the
     Gluon kernel's padded per-query vectors: each non-empty sequence from its ``padded_seq_start``,
     ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there), nothing else;
-    Q_DO_FACTOR (Q's times dO's token scales) only for e4m3 copies (the exact path's dP needs none). Q_DELTA holds the LSE's
-    gradient where one is given (the bf16 case: the default GPU path)."""
+    Q_DO_FACTOR (Q's times dO's token scales) only for e4m3 copies (the exact path's dP needs none).
+    Q_DELTA holds the LSE's gradient where one is given (the bf16 case: the default GPU path)."""
     lengths, heads = [0, 3, 130, 1, 300], 4
     q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, heads, 2, 64)
     out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)

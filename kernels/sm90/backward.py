@@ -13,9 +13,8 @@ consumer warpgroups, 64 keys each, run per stage::
 
 where publishing stores dS (e4m3, queries x keys) in shared memory from registers as 16-bit key pairs
 by transposing ``stmatrix`` stores (keys in ``layout.ds_key_slot`` order, which the producer gives K^T
-too); the default warpgroup then forms the tile's
-dQ partial = dS K over both consumers' keys, 32 columns at a time, and adds it to global memory
-with TMA bulk reduce-adds. So the consumers never wait for each other (an earlier form coupled them
+too); the default warpgroup then forms the tile's dQ partial = dS K over both consumers' keys, 32
+columns at a time, and adds it to global memory with TMA bulk reduce-adds. So the consumers never wait for each other (an earlier form coupled them
 through the per-step dS exchange, each computing half of dQ).
 
 P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
@@ -136,9 +135,9 @@ def stages_gradient_stores(prep: Prepared, gradient_dtype: torch.dtype) -> bool:
     straight from the wgmma accumulator layout (16-byte pieces of 8 rows per store). Where a buffer
     holds a whole gradient tile (the exact path's bf16 copies) always; where it holds half of one (the
     FP8 path's e4m3 copies: two column halves) only on batches of :func:`short_programs`: the staging
-    saves each tile a few microseconds, but leaves the consumers' step loop one register short (an
-    STL / LDL pair per step with the item loop's counters live), which long tiles pay at every step
-    (docs/perf-history.md)."""
+    saves each tile a few microseconds, and when it was measured it left the consumers' step loop one
+    register short (an STL / LDL pair per step), which long tiles paid at every step. Since v35's
+    shorter steps neither form spills (docs/perf-history.md); staging everywhere is not yet measured."""
     if layout.staging_pieces(8 * gradient_dtype.itemsize, prep.dim, 8 * prep.k.feature.dtype.itemsize, prep.dim) <= 1:
         return True
     return short_programs(prep)
