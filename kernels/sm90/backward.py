@@ -272,9 +272,8 @@ class WorkItems:
 
 @gluon.jit
 def _key_tile(items, item, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, CAUSAL: gl.constexpr):
-    """The :class:`KeyTile` of work item ``item``. Every partition of a program walks the same items
-    (``item = program, program + programs, ...``), so they agree on each tile without exchanging it.
-    KV head outer, table slots inner: the programs running at once mostly hold key tiles of one
+    """The :class:`KeyTile` of work item ``item`` (each partition describes its tiles itself:
+    :func:`_for_each_tile`). KV head outer, table slots inner: the programs running at once mostly hold key tiles of one
     (sequence, head), which read the same Q / dO tiles and add dQ to the same rows at about the same
     time, so L2 serves them (the key tiles of many heads at once thrashed it, causal batches most)."""
     slot = item % items.slots
@@ -306,6 +305,31 @@ def _next_query_tile(head, m0, m_lo, m_end):
         head += 1
         m0 = m_lo
     return head, m0
+
+
+@gluon.jit
+def _for_each_tile(items, per_tile: gl.constexpr, args, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+                   CAUSAL: gl.constexpr, IN_TURN: gl.constexpr):
+    """``per_tile(item, tile, first_step, kv_phase, *args)`` for each of the program's work items that is
+    not an empty slot (:func:`_key_tile`): its one item or, IN_TURN, items ``program, program + programs,
+    ...``. ``first_step`` counts the earlier tiles' steps (the stage ring and the dS buffers run on from
+    tile to tile), ``kv_phase`` is the parity of the tiles done (the per-tile barriers' phase). Every
+    partition walks the items so, and agrees with the others on each tile without exchanging it. One item
+    compiles without the loop: its counters would cost long tiles' steps instructions and registers."""
+    if IN_TURN:
+        step = 0
+        tiles_done = 0
+        for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
+            tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+            if tile.seq >= 0:
+                per_tile(item, tile, step, tiles_done & 1, *args)
+                step += tile.n_steps
+                tiles_done += 1
+    else:
+        item = gl.program_id(0)
+        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
+        if tile.seq >= 0:
+            per_tile(item, tile, 0, 0, *args)
 
 
 @gluon.jit
@@ -438,36 +462,21 @@ def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
                             dq_desc, items, padded_q, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
                             ACCUMULATE_DQ: gl.constexpr, IN_TURN: gl.constexpr):
-    """The default warpgroup over the program's work items (its one item unless IN_TURN), each by
-    :func:`_load_tile_and_accumulate_dq`. Steps are counted across tiles (``step``): the ring and the
-    dS buffers run on from tile to tile."""
-    if IN_TURN:
-        step = 0
-        tiles_done = 0
-        for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
-            tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
-            if tile.seq >= 0:
-                _load_tile_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
-                                             dq_even, dq_odd, dq_desc, tile, step, tiles_done & 1, padded_q, HEADS_Q,
-                                             D, STAGES, EXACT, ACCUMULATE_DQ)
-                step += tile.n_steps
-                tiles_done += 1
-    else:
-        tile = _key_tile(items, gl.program_id(0), HEADS_Q, HEADS_KV, CAUSAL)
-        if tile.seq >= 0:
-            _load_tile_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
-                                         dq_even, dq_odd, dq_desc, tile, 0, 0, padded_q, HEADS_Q, D, STAGES, EXACT,
-                                         ACCUMULATE_DQ)
+    """The default warpgroup over the program's work items (:func:`_for_each_tile`), each by
+    :func:`_load_tile_and_accumulate_dq`."""
+    _for_each_tile(items, _load_tile_and_accumulate_dq,
+                   (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd, dq_desc,
+                    padded_q, HEADS_Q, D, STAGES, EXACT, ACCUMULATE_DQ), HEADS_Q, HEADS_KV, CAUSAL, IN_TURN)
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
 
 
 @gluon.jit
-def _load_tile_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even,
-                                 dq_odd, dq_desc, tile, first_step, kt_phase, padded_q, HEADS_Q: gl.constexpr,
+def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
+                                 stages, exchange, kv, dq_even, dq_odd, dq_desc, padded_q, HEADS_Q: gl.constexpr,
                                  D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
                                  ACCUMULATE_DQ: gl.constexpr):
-    """The default warpgroup on one key tile: streams each step's query-side operands into the stage
+    """The default warpgroup on one key tile (``item``'s, unused: ``tile`` describes it): streams each step's query-side operands into the stage
     ring (the ring's steps from ``first_step`` on), STAGES steps ahead of the consumers, and
     (ACCUMULATE_DQ) loads the tile's K^T and adds each step's dQ partial once both consumers published
     their dS, so the consumers never wait for each other."""
@@ -523,29 +532,16 @@ def _consume(kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
              STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
-    """One consumer warpgroup over the program's work items (those of :func:`_load_and_accumulate_dq`,
-    in the same order, steps counted across them the same way)."""
-    if IN_TURN:
-        step = 0
-        tiles_done = 0
-        for item in range(gl.program_id(0), items.slots * HEADS_KV, gl.num_programs(0)):
-            tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
-            if tile.seq >= 0:
-                _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, tile, step, tiles_done & 1, batch,
-                              softmax_scale, CONSUMER, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
-                              STAGED_STORES, IN_TURN)
-                step += tile.n_steps
-                tiles_done += 1
-    else:
-        item = gl.program_id(0)
-        tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
-        if tile.seq >= 0:
-            _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, tile, 0, 0, batch, softmax_scale,
-                          CONSUMER, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES, IN_TURN)
+    """One consumer warpgroup over the program's work items (:func:`_for_each_tile`), each by
+    :func:`_consume_tile`."""
+    _for_each_tile(items, _consume_tile,
+                   (kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale, CONSUMER, HEADS_Q, HEADS_KV,
+                    D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES, IN_TURN), HEADS_Q, HEADS_KV, CAUSAL,
+                   IN_TURN)
 
 
 @gluon.jit
-def _consume_tile(kv, stages, exchange, amax_smem, grads, items, item, tile, first_step, kv_phase, batch,
+def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_smem, grads, items, batch,
                   softmax_scale, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
                   ACCUMULATE_DQ: gl.constexpr, STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
@@ -734,8 +730,7 @@ def _attention_backward_kernel(
     :func:`program_count`), items ``p, p + programs, ...`` with its shared memory, barriers and stage
     ring set up once, so a tile's first loads overlap the previous tile's last steps and its dK / dV
     stores (short key tiles, as on cross-attention batches, spent much of a program's life starting
-    and finishing it). One item per program compiles without the item loop: its counters cost long
-    tiles' steps instructions and registers."""
+    and finishing it); every partition walks the items by :func:`_for_each_tile`."""
     # The producers' bf16 feature copies hold the MX values: S and dP come out exact, in value units.
     EXACT: gl.constexpr = k_desc.dtype == gl.bfloat16
 
