@@ -113,8 +113,8 @@ def offsets_facts(offsets: torch.Tensor) -> torch.Tensor:
     (``.tolist()``) is the one wait."""
     o = offsets.to(torch.int64)
     if o.numel() > 1:
-        steps = o[1:] - o[:-1]
-        decreases, longest = (steps < 0).any().to(torch.int64), steps.max()
+        lengths = lengths_of(o)
+        decreases, longest = (lengths < 0).any().to(torch.int64), lengths.max()
     else:
         decreases = longest = torch.zeros((), dtype=torch.int64, device=o.device)
     return torch.stack([o[0], o[-1], decreases, longest])

@@ -14,16 +14,16 @@ consumer warpgroups, 64 keys each, run per stage::
 where publishing stores dS (e4m3, queries x keys) in shared memory from registers as 16-bit key pairs
 by transposing ``stmatrix`` stores (keys in ``layout.ds_key_slot`` order, which the producer gives K^T
 too); the default warpgroup then forms the tile's dQ partial = dS K over both consumers' keys, 32
-columns at a time, and adds it to global memory with TMA bulk reduce-adds. So the consumers never wait for each other (an earlier form coupled them
-through the per-step dS exchange, each computing half of dQ).
+columns at a time, and adds it to global memory with TMA bulk reduce-adds. So the consumers never wait
+for each other (an earlier form coupled them through the per-step dS exchange, each computing half of dQ).
 
 P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
 shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
 order (the forward's trick for V^T, here along queries). dK's wgmma starts from a zero accumulator
 each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which biases
 small steps against a large running sum); dV chains (measured accurate enough, and registers are
-short). dQ's partials are added in L2, in bf16 on batches of at most 16k keys a sequence (``dq_accum_dtype``),
-in units that ``backward_passes.finish_dq`` scales.
+short). dQ's partials are added in L2, in bf16 on batches of at most 16k keys a sequence
+(``dq_accum_dtype``), in units that ``backward_passes.finish_dq`` scales.
 
 S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
 (``scores="bf16"``, backend ``hopper-exact-scores``: fp32 accumulation, so S and dP are exact, with no
@@ -105,6 +105,9 @@ MAX_SCALE_RATIO = gl.constexpr(2.0**100)
 # tile's values (it starts at the smallest normal), 2^126 would overflow fp32; with 2^32, dS' may
 # reach 2^96 (~8e28) before it does.
 DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
+# The dS exchange buffers' swizzle (their 64-byte rows): e4m3 for the dQ wgmmas, 16-bit key pairs for the
+# consumers' stores (_share_ds).
+DS_SWIZZLE_BYTES = gl.constexpr(64)
 # A [1] tensor whose one value every thread holds (scalars through shared memory).
 EVERY_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
@@ -273,9 +276,10 @@ class WorkItems:
 @gluon.jit
 def _key_tile(items, item, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, CAUSAL: gl.constexpr):
     """The :class:`KeyTile` of work item ``item`` (each partition describes its tiles itself:
-    :func:`_for_each_tile`). KV head outer, table slots inner: the programs running at once mostly hold key tiles of one
-    (sequence, head), which read the same Q / dO tiles and add dQ to the same rows at about the same
-    time, so L2 serves them (the key tiles of many heads at once thrashed it, causal batches most)."""
+    :func:`_for_each_tile`). KV head outer, table slots inner: the programs running at once mostly hold
+    key tiles of one (sequence, head), which read the same Q / dO tiles and add dQ to the same rows at
+    about the same time, so L2 serves them (the key tiles of many heads at once thrashed it, causal batches
+    most)."""
     slot = item % items.slots
     kv_head = item // items.slots
     seq = gl.load(items.work + 2 * slot)
@@ -412,7 +416,8 @@ def _share_ds(ds, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     slot = buffer * CONSUMERS + CONSUMER
     pairs = _published_key_pairs(ds)
     mbarrier.wait(exchange.free.index(buffer), ((i // 2) & 1) ^ 1)
-    pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=16,
+                                                     rank=2)
     exchange.ds.index(slot)._reinterpret(gl.int16, [BLOCK_M, KEYS_PER_CONSUMER // 2], pair_layout).store(pairs)
     exchange.scale.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
     fence_async_shared()
@@ -476,8 +481,9 @@ def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_de
                                  stages, exchange, kv, dq_even, dq_odd, dq_desc, padded_q, HEADS_Q: gl.constexpr,
                                  D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
                                  ACCUMULATE_DQ: gl.constexpr):
-    """The default warpgroup on one key tile (``item``'s, unused: ``tile`` describes it): streams each step's query-side operands into the stage
-    ring (the ring's steps from ``first_step`` on), STAGES steps ahead of the consumers, and
+    """The default warpgroup on one key tile (``item``'s, unused: ``tile`` describes it): streams each
+    step's query-side operands into the stage ring (the ring's steps from ``first_step`` on), STAGES steps
+    ahead of the consumers, and
     (ACCUMULATE_DQ) loads the tile's K^T and adds each step's dQ partial once both consumers published
     their dS, so the consumers never wait for each other."""
     if ACCUMULATE_DQ:  # the previous tile's dQ wgmmas, the only readers of K^T, are done
@@ -742,7 +748,7 @@ def _attention_backward_kernel(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS, KEYS_PER_CONSUMER, D], v_desc.layout)
     kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [CONSUMERS, D, KEYS_PER_CONSUMER], kt_desc.layout)
     row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], rows_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
