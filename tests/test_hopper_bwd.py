@@ -501,14 +501,13 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     assert torch.equal(exact.delta, fp8.delta) and torch.equal(exact.lse2, fp8.lse2)
 
 
-@pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores, staged_stores, in_turn, dq_dtype",
-                         [(128, True, True, True, True, False, torch.float32),
-                          (128, False, True, False, False, False, torch.bfloat16),
-                          (128, False, True, False, True, True, torch.float32),
-                          (128, True, True, False, True, False, torch.bfloat16),
-                          (64, False, False, True, True, True, torch.bfloat16)])
-def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, staged_stores,
-                                                     in_turn, dq_dtype):
+@pytest.mark.parametrize("dim, causal, accumulate_dq, exact_scores, in_turn, dq_dtype",
+                         [(128, True, True, True, False, torch.float32),
+                          (128, False, True, False, False, torch.bfloat16),
+                          (128, False, True, False, True, torch.float32),
+                          (128, True, True, False, False, torch.bfloat16),
+                          (64, False, False, True, True, torch.bfloat16)])
+def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, in_turn, dq_dtype):
     """FP8 wgmma for dV, dK and dQ (P^T and dS^T straight from registers), S^T and dP^T by bf16
     wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
     warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated, in either dtype of its
@@ -516,8 +515,8 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     serialized by ptxas, which it does to every wgmma of the kernel when one partition is short of
     registers (note C7512: 23.9 against 21.7 ms on an H200); and no shuffle reductions: each
     consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``; gl.max's shuffle
-    rounds were 17% of the consumers' stall samples); with either form of the dK / dV stores. The
-    descriptors are the launcher's own, built on the host."""
+    rounds were 17% of the consumers' stall samples). The descriptors are the launcher's own, built on
+    the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
@@ -529,7 +528,7 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
                      total_q="i32", total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
-                      STAGED_STORES=staged_stores, IN_TURN=in_turn, **sm90_backward.tile_config(dim))
+                      IN_TURN=in_turn, **sm90_backward.tile_config(dim))
     signature.update({name: "constexpr" for name in constexprs})
     ptx, shared = compile_kernel("jagged_attn.kernels.sm90.backward", "_attention_backward_kernel", signature,
                                  constexprs, arch=90, gluon=True)
@@ -802,51 +801,6 @@ def test_gpu_gluon_kernel_gradients_in_other_dtypes(dtype):
         for name, g, t in zip(("dq", "dk", "dv"), grads, triton_grads):
             assert g.dtype == dtype and torch.isfinite(g).all(), f"{name} causal={causal}: unwritten (NaN) elements"
             assert rel_l2(g, t) < 1e-2, f"{name} causal={causal}: rel-L2 {rel_l2(g, t):.3e} vs Triton"
-
-
-def test_gradient_stores_are_staged_where_a_buffer_holds_the_tile_or_programs_are_short():
-    """dK and dV go through the consumers' K and V buffers where those hold a whole gradient tile (the exact
-    path's bf16 copies), and through the FP8 path's half-size buffers only where the host's estimate of
-    query tiles per program (heads of a KV group times mean query length over 64) is at most
-    ``SHORT_PROGRAM_STEPS``."""
-    from types import SimpleNamespace
-
-    def prep(copy_dtype, total_q, batch, heads_q=8, heads_kv=2):
-        k = SimpleNamespace(feature=torch.empty(0, dtype=copy_dtype))
-        return SimpleNamespace(k=k, total_q=total_q, batch=batch, heads_q=heads_q, heads_kv=heads_kv, dim=128)
-
-    stages = sm90_backward.stages_gradient_stores
-    limit = sm90_backward.SHORT_PROGRAM_STEPS * sm90_backward.BLOCK_M.value
-    e4m3 = torch.float8_e4m3fn
-    assert stages(prep(torch.bfloat16, 10**6, 1), torch.bfloat16)  # exact path: always
-    assert stages(prep(torch.bfloat16, 10**6, 1), torch.float16)
-    assert not stages(prep(torch.bfloat16, 10**6, 1), torch.float32)
-    assert stages(prep(e4m3, limit // 4 * 100, 100), torch.bfloat16)  # a group of 4 heads: limit / 4 queries each
-    assert not stages(prep(e4m3, limit // 4 * 100 + 100, 100), torch.bfloat16)
-    assert not stages(prep(e4m3, 4 * 16384, 4, 16, 16), torch.bfloat16)  # dense 4 x 16k
-    assert stages(prep(e4m3, 512 * 136, 512, 4, 4), torch.bfloat16)  # short-query cross-attention
-    assert stages(prep(e4m3, 0, 0), torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_fp8_gradient_stores_staged_or_straight_agree(monkeypatch, causal):
-    """The FP8 path's two forms of the dK / dV stores (through the half-size K and V buffers in column
-    halves, or straight from the accumulator layout; ``stages_gradient_stores``) write every element
-    (NaN-poisoned) and bit-identical values, on ragged self-attention and on cross-attention with GQA."""
-    monkeypatch.setattr(sm90_backward, "program_count", lambda items, prep, causal, device: min(items, 3))  # K, V reloaded
-    for lengths_q, lengths_k, heads_q, heads_kv, dim in GLUON_CASES[:2]:
-        q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim,
-                                                          device="cuda", dtype=torch.bfloat16)
-        scale = dim**-0.5
-        out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
-        results = []
-        for steps in (0, 10**9):  # never staged, always staged
-            monkeypatch.setattr(sm90_backward, "SHORT_PROGRAM_STEPS", steps)
-            results.append(run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, scores="fp8"))
-        for name, straight, staged in zip(("dk", "dv"), results[0][1:], results[1][1:]):
-            assert torch.isfinite(staged).all() and torch.isfinite(straight).all(), name
-            assert torch.equal(staged, straight), name
 
 
 @pytest.mark.gpu

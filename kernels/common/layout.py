@@ -108,7 +108,7 @@ def whole_rows_layout(columns, warps):
 def staging_pieces(tile_bits, tile_columns, buffer_bits, buffer_columns):
     """Column pieces in which :func:`gluon_store_rows_through` moves a tile through a shared buffer of
     the same rows (elements of ``tile_bits`` and ``buffer_bits``): 1 or less, whole; 2, in halves;
-    more, not at all (stored straight). Host code asks it too (whether a launch's tiles fit whole)."""
+    more, not at all (stored straight)."""
     return (tile_bits * tile_columns) // (buffer_bits * buffer_columns)
 
 
@@ -133,20 +133,20 @@ def _store_rows_piece(piece, dst, column0, row_stride, valid_rows, buffer):
 
 
 @gluon.jit
-def gluon_store_rows_through(tile, dst, row_stride, valid_rows, buffer, THROUGH_SHARED: gl.constexpr = True):
+def gluon_store_rows_through(tile, dst, row_stride, valid_rows, buffer):
     """Store the register tile ``tile`` (``[rows, columns]``, any layout) at ``dst + r * row_stride + c``
-    for rows r < valid_rows. With THROUGH_SHARED it moves through the calling warps' free shared
-    ``buffer`` (``rows`` rows of the tile's bytes, or of half of them: then one column half after the
-    other) into :func:`whole_rows_layout` first: straight from a wgmma accumulator layout each store
-    writes 16-byte pieces of 8 rows, which costs short programs much of their time
-    (docs/perf-history.md). Barriers of the calling warps lie between each piece's store and load and
-    between the pieces. A tile of more than twice the buffer's bytes is stored straight."""
+    for rows r < valid_rows, moved through the calling warps' free shared ``buffer`` (``rows`` rows of
+    the tile's bytes, or of half of them: then one column half after the other) into
+    :func:`whole_rows_layout` first: straight from a wgmma accumulator layout each store writes 16-byte
+    pieces of 8 rows, which costs short programs much of their time (docs/perf-history.md). Barriers of
+    the calling warps lie between each piece's store and load and between the pieces. A tile of more than
+    twice the buffer's bytes is stored straight."""
     PIECES: gl.constexpr = staging_pieces(tile.dtype.primitive_bitwidth, tile.shape[1],
                                           buffer.dtype.primitive_bitwidth, buffer.shape[1])
     gl.static_assert(tile.shape[0] == buffer.shape[0], "the buffer holds the tile's rows")
-    if THROUGH_SHARED and PIECES <= 1:
+    if PIECES <= 1:
         _store_rows_piece(tile, dst, 0, row_stride, valid_rows, buffer)
-    elif THROUGH_SHARED and PIECES == 2:
+    elif PIECES == 2:
         # The top column bit of a wgmma accumulator is a register bit: the split moves no data.
         HALF: gl.constexpr = tile.shape[1] // 2
         left, right = tile.reshape([tile.shape[0], 2, HALF]).permute((0, 2, 1)).split()

@@ -133,19 +133,6 @@ def short_programs(prep: Prepared) -> bool:
     return mean_steps <= SHORT_PROGRAM_STEPS
 
 
-def stages_gradient_stores(prep: Prepared, gradient_dtype: torch.dtype) -> bool:
-    """Whether the consumers store dK and dV through their K and V buffers in whole rows rather than
-    straight from the wgmma accumulator layout (16-byte pieces of 8 rows per store). Where a buffer
-    holds a whole gradient tile (the exact path's bf16 copies) always; where it holds half of one (the
-    FP8 path's e4m3 copies: two column halves) only on batches of :func:`short_programs`: the staging
-    saves each tile a few microseconds, and when it was measured it left the consumers' step loop one
-    register short (an STL / LDL pair per step), which long tiles paid at every step. Since v35's
-    shorter steps neither form spills (docs/perf-history.md); staging everywhere is not yet measured."""
-    if layout.staging_pieces(8 * gradient_dtype.itemsize, prep.dim, 8 * prep.k.feature.dtype.itemsize, prep.dim) <= 1:
-        return True
-    return short_programs(prep)
-
-
 @aggregate
 class QueryStages:
     """The ring of query-side stages the default warpgroup fills and the consumers drain: per stage
@@ -537,12 +524,12 @@ def _tile_amax(x, exchange_smem):
 def _consume(kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale,
              CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
-             STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
+             IN_TURN: gl.constexpr):
     """One consumer warpgroup over the program's work items (:func:`_for_each_tile`), each by
     :func:`_consume_tile`."""
     _for_each_tile(items, _consume_tile,
                    (kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale, CONSUMER, HEADS_Q, HEADS_KV,
-                    D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES, IN_TURN), HEADS_Q, HEADS_KV, CAUSAL,
+                    D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN), HEADS_Q, HEADS_KV, CAUSAL,
                    IN_TURN)
 
 
@@ -550,7 +537,7 @@ def _consume(kv, stages, exchange, amax_smem, grads, items, batch, softmax_scale
 def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_smem, grads, items, batch,
                   softmax_scale, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
                   D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
-                  ACCUMULATE_DQ: gl.constexpr, STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr):
+                  ACCUMULATE_DQ: gl.constexpr, IN_TURN: gl.constexpr):
     """One consumer warpgroup on work item ``item``, described by ``tile`` (:func:`_key_tile`, not an
     empty slot): its dK and dV, accumulated and stored."""
     dk_acc, dv_acc, ds_byte = _accumulate_key_gradients(
@@ -560,7 +547,7 @@ def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_s
     # steps' loop, where the consumers have none to spare.
     tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
     _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, items.total_k, batch, softmax_scale,
-                         CONSUMER, HEADS_KV, D, STAGED_STORES)
+                         CONSUMER, HEADS_KV, D)
 
 
 @gluon.jit
@@ -691,11 +678,12 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
 
 @gluon.jit
 def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batch, softmax_scale,
-                         CONSUMER: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-                         STAGED_STORES: gl.constexpr):
+                         CONSUMER: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr):
     """dK and dV of the consumer's 64 keys of ``tile`` from its accumulators: the sequence-axis
     column scales, dK's running dS scale and its keys' token scales applied, stored in the gradients'
-    dtype (through the consumer's K and V buffers where STAGED_STORES)."""
+    dtype through the consumer's K and V buffers (``layout.gluon_store_rows_through``: whole rows per
+    warp, saving each tile's stores a few microseconds, which short tiles and causal batches' many
+    short programs feel most)."""
     o_layout: gl.constexpr = dk_acc.type.layout
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
@@ -715,12 +703,10 @@ def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batc
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
     dk_out = dk_rows.to(grads.dk.dtype.element_ty)
     dv_out = (dv_acc * dv_scale[None, :]).to(grads.dv.dtype.element_ty)
-    # Through this consumer's K and V buffers (free after the last step's wgmmas) where STAGED_STORES.
+    # Through this consumer's K and V buffers, free after the last step's wgmmas.
     first_row = ((k_start + key0) * HEADS_KV + kv_head) * D
-    layout.gluon_store_rows_through(dk_out, grads.dk + first_row, HEADS_KV * D, len_k - key0, k_smem,
-                                    STAGED_STORES)
-    layout.gluon_store_rows_through(dv_out, grads.dv + first_row, HEADS_KV * D, len_k - key0, v_smem,
-                                    STAGED_STORES)
+    layout.gluon_store_rows_through(dk_out, grads.dk + first_row, HEADS_KV * D, len_k - key0, k_smem)
+    layout.gluon_store_rows_through(dv_out, grads.dv + first_row, HEADS_KV * D, len_k - key0, v_smem)
 
 
 # WorkItems holds these as tensors: a value of 1 must not become a constexpr.
@@ -730,7 +716,7 @@ def _attention_backward_kernel(
     qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, slots, total_q, total_k, padded_q,
     batch, softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, STAGED_STORES: gl.constexpr, IN_TURN: gl.constexpr,
+    ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, IN_TURN: gl.constexpr,
 ):
     """Program p takes work item p (:func:`_key_tile`) or, IN_TURN (fewer programs than items:
     :func:`program_count`), items ``p, p + programs, ...`` with its shared memory, barriers and stage
@@ -787,10 +773,10 @@ def _attention_backward_kernel(
                                        dq_even, dq_odd, dq_desc, items, padded_q, HEADS_Q, HEADS_KV, D, STAGES,
                                        CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)),
             (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, items, batch,
-                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES,
+                        softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
                         IN_TURN)),
             (_consume, (kv, stages, exchange, amax_smem.slice(32, 32, dim=0), grads, items, batch,
-                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, STAGED_STORES,
+                        softmax_scale, 1, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
                         IN_TURN)),
         ],
         [4, 4],
@@ -854,7 +840,7 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
         prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, work.shape[0], prep.total_q,
         prep.total_k, prep.padded_q, prep.batch, softmax_scale,
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
-        STAGED_STORES=stages_gradient_stores(prep, dk.dtype), IN_TURN=programs < items, num_warps=4,
+        IN_TURN=programs < items, num_warps=4,
         **tile_config(prep.dim),
     )
 
