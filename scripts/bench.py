@@ -552,26 +552,35 @@ def plot(result, path):
 
 
 def git_version():
-    """``git describe`` of the checkout plus a digest of the package's sources (``src:`` 12 hex
-    digits), which names the code even where the checkout's history is stale (a copied tree)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        described = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],  # "-dirty": the tree differs from that commit
-            capture_output=True,
-            text=True,
-            cwd=here,
-        ).stdout.strip() or "unknown"
-    except OSError:
-        described = "unknown"
+    """What ran: ``git describe`` of the checkout whose tracked ``jagged_attn`` was imported ("copy" where
+    the imported package is not one, e.g. another version's put first on ``PYTHONPATH``) plus a digest
+    of the imported package's sources (``src:`` 12 hex digits over every ``.py`` file of ``jagged_attn``
+    and ``jagged_attn.kernels``, by path), which names the code even where a checkout's history is stale."""
+    import jagged_attn
+    import jagged_attn.kernels
+
+    package = os.path.dirname(os.path.abspath(jagged_attn.__file__))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=package)
+        except OSError:
+            return None
+
+    tracked = git("ls-files", "--error-unmatch", "__init__.py")
+    described = "copy"
+    if tracked is not None and tracked.returncode == 0:  # "-dirty": the tree differs from that commit
+        described = git("describe", "--always", "--dirty").stdout.strip() or "copy"
+    sources = []
+    for name, folder in (("jagged_attn", package), ("kernels", os.path.dirname(jagged_attn.kernels.__file__))):
+        for where, folders, files in os.walk(folder):
+            folders[:] = [f for f in folders if f != "__pycache__" and not (name == "jagged_attn" and f == "kernels")]
+            sources += [(os.path.join(name, os.path.relpath(os.path.join(where, f), folder)), os.path.join(where, f))
+                        for f in files if f.endswith(".py")]
     digest = hashlib.sha256()
-    root = os.path.dirname(here)
-    for folder in ("jagged_attn", "kernels", "kernels/common", "kernels/producers", "kernels/portable", "kernels/sm90",
-                   "kernels/sm100"):
-        for name in sorted(os.listdir(os.path.join(root, folder))):
-            if name.endswith(".py"):
-                with open(os.path.join(root, folder, name), "rb") as source:
-                    digest.update(name.encode() + b"\0" + source.read())
+    for relative, path in sorted(sources):
+        with open(path, "rb") as source:
+            digest.update(relative.encode() + b"\0" + source.read())
     return f"{described} src:{digest.hexdigest()[:12]}"
 
 

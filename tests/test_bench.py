@@ -109,3 +109,31 @@ def test_rounds_combine_to_each_columns_median_and_spread():
     assert bench.parse_args(["--rounds", "3"]).rounds == 3 and bench.parse_args([]).rounds == 1
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+
+
+def test_version_names_the_imported_package_not_the_checkout(tmp_path):
+    """A copy of the package put first on ``PYTHONPATH`` (how two versions are timed side by side) is
+    reported as a copy with its own source digest, equal to the checkout's for the same sources and
+    different once a kernel file differs."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(SCRIPT))
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(root, "jagged_attn"), copy / "jagged_attn",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(root, "kernels"), copy / "jagged_attn" / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+    def version(path):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.path.dirname(SCRIPT)]))
+        return subprocess.run([sys.executable, "-P", "-c", "import bench; print(bench.git_version())"], env=env,
+                              capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
+
+    digest = bench.git_version().split()[1]
+    assert version(copy) == ["copy", digest]
+    with open(copy / "jagged_attn" / "kernels" / "sm90" / "backward.py", "a") as source:
+        source.write("\n# changed\n")
+    changed = version(copy)
+    assert changed[0] == "copy" and changed[1] != digest
