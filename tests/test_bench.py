@@ -3,6 +3,9 @@
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,10 +118,6 @@ def test_version_names_the_imported_package_not_the_checkout(tmp_path):
     """A copy of the package put first on ``PYTHONPATH`` (how two versions are timed side by side) is
     reported as a copy with its own source digest, equal to the checkout's for the same sources and
     different once a kernel file differs."""
-    import shutil
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(SCRIPT))
     copy = tmp_path / "copy"
     shutil.copytree(os.path.join(root, "jagged_attn"), copy / "jagged_attn",
