@@ -45,7 +45,6 @@ each over its own keys, was measured slower still: their chains are latency-boun
 then lengthen each of them (docs/perf-history.md; speed: docs/PERF.md).
 """
 
-import functools
 
 import torch
 from triton._C.libtriton import ir
@@ -67,7 +66,7 @@ from jagged_attn.offsets import known_longest
 
 from ..common import bounds, layout
 from ..common.layout import SCORE_MODES
-from ..common.schedule import work_list
+from ..common.schedule import resident_programs, work_list
 from ..common.tma import operand_descriptor
 from ..portable.backward import launch_deterministic_dq
 from ..producers.backward_passes import (
@@ -873,12 +872,6 @@ def program_count(items: int, prep: Prepared, causal: bool, device: torch.device
     if short_programs(prep) and not causal:
         return min(items, resident_programs(device))
     return items
-
-
-@functools.cache
-def resident_programs(device: torch.device) -> int:
-    """SMs of ``device``: programs of this kernel that run at once."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def preparation(deterministic: bool = False) -> dict:

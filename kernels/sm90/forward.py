@@ -43,7 +43,7 @@ from ..producers.rebase import (
     quantize_rebase_kv,
     quantized_feature_blocks,
 )
-from ..common.schedule import work_list
+from ..common.schedule import resident_programs, work_list
 from ..common.tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -87,57 +87,122 @@ class KVStages:
 
 @aggregate
 class QueryTile:
-    """A program's work for its consumers: the query rows from ``rows0`` (``CONSUMERS *
-    CONSUMER_ROWS`` of them) of sequence ``seq``, query head ``head`` (KV head ``kv_head``); the
-    sequence's first query row and lengths; Q's column in its descriptor; where the sequence's Q
-    token factors and K tile factors start; the KV tiles to stream."""
+    """One work item: the query rows from ``rows0`` (``CONSUMERS * CONSUMER_ROWS`` of them) of
+    sequence ``seq`` (below 0: an empty slot, nothing to do), query head ``head`` (KV head
+    ``kv_head``); the sequence's first query and key rows and lengths; Q's column in its descriptor
+    and V^T's first column; where the sequence's Q token factors and K tile factors start; the KV
+    tiles to stream."""
     seq: gl.tensor
     head: gl.tensor
     kv_head: gl.tensor
     rows0: gl.tensor
     q_start: gl.tensor
     len_q: gl.tensor
+    k_start: gl.tensor
     len_k: gl.tensor
     q_col: gl.tensor
+    vt_col: gl.tensor
     q_factor_row: gl.tensor
     k_factor_row: gl.tensor
     n_tiles: gl.tensor
 
     @constexpr_function
-    def __init__(self, seq, head, kv_head, rows0, q_start, len_q, len_k, q_col, q_factor_row, k_factor_row,
-                 n_tiles):
+    def __init__(self, seq, head, kv_head, rows0, q_start, len_q, k_start, len_k, q_col, vt_col, q_factor_row,
+                 k_factor_row, n_tiles):
         self.seq, self.head, self.kv_head, self.rows0 = seq, head, kv_head, rows0
-        self.q_start, self.len_q, self.len_k, self.q_col = q_start, len_q, len_k, q_col
+        self.q_start, self.len_q, self.k_start, self.len_k = q_start, len_q, k_start, len_k
+        self.q_col, self.vt_col = q_col, vt_col
         self.q_factor_row, self.k_factor_row, self.n_tiles = q_factor_row, k_factor_row, n_tiles
 
 
+@aggregate
+class WorkItems:
+    """The work of a launch: the ``schedule.work_list`` table ``work`` (``slots`` rows of (sequence,
+    query tile)) for each query head, ``slots * HEADS_Q`` items, head outer; the batch's offsets and
+    totals, and the rows per head of the Q token factors and K tile factors (``q_groups``,
+    ``k_groups``), from which :func:`_query_tile` describes an item."""
+    work: gl.tensor
+    slots: gl.tensor
+    offsets_q: gl.tensor
+    offsets_k: gl.tensor
+    total_q: gl.tensor
+    total_k: gl.tensor
+    q_groups: gl.tensor
+    k_groups: gl.tensor
+
+    @constexpr_function
+    def __init__(self, work, slots, offsets_q, offsets_k, total_q, total_k, q_groups, k_groups):
+        self.work, self.slots, self.offsets_q, self.offsets_k = work, slots, offsets_q, offsets_k
+        self.total_q, self.total_k, self.q_groups, self.k_groups = total_q, total_k, q_groups, k_groups
+
+
 @gluon.jit
-def _tile_span(offsets_q, offsets_k, total_q, total_k, work, slot, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(sequence, first row of the program's tile, q start, len_q, k start, len_k, KV tiles to stream)."""
-    seq = gl.load(work + 2 * slot)
-    row0 = gl.load(work + 2 * slot + 1) * (CONSUMERS * CONSUMER_ROWS)
-    q_start, len_q = layout.sequence_span(offsets_q, seq, total_q)
-    k_start, len_k = layout.sequence_span(offsets_k, seq, total_k)
+def _query_tile(items, item, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The :class:`QueryTile` of work item ``item``. Head outer, table slots inner: the programs running
+    at once mostly hold query tiles of one (sequence, head), which stream the same K and V tiles
+    through L2 (faster on causal batches)."""
+    slot = item % items.slots
+    head = item // items.slots
+    seq = gl.load(items.work + 2 * slot)
+    row0 = gl.load(items.work + 2 * slot + 1) * (CONSUMERS * CONSUMER_ROWS)
+    used_seq = gl.maximum(seq, 0)
+    q_start, len_q = layout.sequence_span(items.offsets_q, used_seq, items.total_q)
+    k_start, len_k = layout.sequence_span(items.offsets_k, used_seq, items.total_k)
     if CAUSAL:
         col_end = bounds.keys_seen_below(gl.minimum(row0 + CONSUMERS * CONSUMER_ROWS, len_q), len_k,
                                          bounds.diagonal(len_q, len_k))
     else:
         col_end = len_k
-    return seq, row0, q_start, len_q, k_start, len_k, gl.cdiv(col_end, BLOCK_N)
+    kv_head = head // (HEADS_Q // HEADS_KV)
+    q_factor_row = head.to(gl.int64) * items.q_groups + layout.padded_seq_start(q_start, used_seq)
+    k_factor_row = kv_head.to(gl.int64) * items.k_groups + layout.padded_seq_start(k_start, used_seq) // BLOCK_N
+    vt_col = layout.padded_seq_start(k_start, used_seq).to(gl.int32)
+    return QueryTile(seq, head, kv_head, row0, q_start, len_q, k_start.to(gl.int32), len_k, head * D, vt_col,
+                     q_factor_row, k_factor_row, gl.cdiv(col_end, BLOCK_N))
 
 
 @gluon.jit
-def _load_kv(k_desc, vt_desc, kv, k_row, k_col, vt_row, vt_col, n_tiles,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Loader warp: K tile i into stage i % STAGES once both consumers released its previous use."""
-    for i in range(n_tiles):
-        stage = i % STAGES
-        mbarrier.wait(kv.empty.index(stage), ((i // STAGES) & 1) ^ 1)
+def _for_each_item(items, per_item: gl.constexpr, args, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+                   D: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """``per_item(tile, first_tile, items_done, *args)`` for the program's work items ``program, program +
+    programs, ...`` that are not empty slots (:func:`_query_tile`). ``first_tile`` counts the KV tiles of
+    the earlier items (the stage ring runs on from item to item), ``items_done`` the earlier items. Every
+    partition walks the items so, and agrees with the others on each item without exchanging it."""
+    first_tile = 0
+    items_done = 0
+    for item in range(gl.program_id(0), items.slots * HEADS_Q, gl.num_programs(0)):
+        tile = _query_tile(items, item, HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
+        if tile.seq >= 0:
+            per_item(tile, first_tile, items_done, *args)
+            first_tile += tile.n_tiles
+            items_done += 1
+
+
+@gluon.jit
+def _load_kv(items, k_desc, vt_desc, kv, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loader warp over the program's work items (:func:`_for_each_item`), each by :func:`_load_item_kv`."""
+    _for_each_item(items, _load_item_kv, (k_desc, vt_desc, kv, D, BLOCK_N, STAGES), HEADS_Q, HEADS_KV, D, BLOCK_N,
+                   CAUSAL)
+
+
+@gluon.jit
+def _load_item_kv(tile, first_tile, items_done, k_desc, vt_desc, kv, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Loader warp on one item: its K and V^T tile i into stage (first_tile + i) % STAGES once both
+    consumers released that stage's previous use (the previous item's last tiles too: the ring runs on,
+    so the next item's first tiles load under this one's last tiles and epilogue)."""
+    k_col = tile.kv_head * D
+    for i in range(tile.n_tiles):
+        t = first_tile + i
+        stage = t % STAGES
+        mbarrier.wait(kv.empty.index(stage), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(kv.k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], kv.k_ready.index(stage),
+        tma.async_copy_global_to_shared(k_desc, [tile.k_start + i * BLOCK_N, k_col], kv.k_ready.index(stage),
                                         kv.k.index(stage))
         mbarrier.expect(kv.v_ready.index(stage), vt_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(vt_desc, [vt_row, vt_col + i * BLOCK_N], kv.v_ready.index(stage),
+        tma.async_copy_global_to_shared(vt_desc, [k_col, tile.vt_col + i * BLOCK_N], kv.v_ready.index(stage),
                                         kv.v.index(stage))
 
 
@@ -215,12 +280,25 @@ def _stage_quantized_q(q_values, q_smem, q_start, row0, len_q, head,
 
 
 @gluon.jit
-def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, tile, scale_log2,
-             batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr, ROW_TREE: gl.constexpr,
-             Q_FROM_VALUES: gl.constexpr):
-    """One consumer warpgroup: its query rows against the streamed KV tiles, then its rows of O and
-    LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
+def _consume(items, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2,
+             batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
+             ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
+    """One consumer warpgroup over the program's work items (:func:`_for_each_item`), each by
+    :func:`_consume_item`."""
+    _for_each_item(items, _consume_item,
+                   (q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2, batch,
+                    CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE, Q_FROM_VALUES),
+                   HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
+
+
+@gluon.jit
+def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem,
+                  q_ready, kv, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
+                  ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
+    """One consumer warpgroup on one item: its query rows against the item's KV tiles (the ring's tiles
+    from ``first_tile`` on), then its rows of O and LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
     its intra-warpgroup overlap (S of the next tile under this one's softmax; also on 64-key halves,
     which leave room for it beside the fresh P·V accumulator) measured no faster here: the softmax's own
     latency, not the MMA waits, sets the pace, and halves double its per-tile work (docs/perf-history.md)."""
@@ -239,10 +317,13 @@ def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready
     row0 = rows0 + CONSUMER * ROWS
     rows = row0 + gl.arange(0, ROWS, layout=s_rows)
     in_seq = rows < len_q
+    # The previous item's O went out through q_smem: every warp has read it before Q overwrites it.
+    gl.thread_barrier()
     if Q_FROM_VALUES:
         q_factors = _stage_quantized_q(q_source, q_smem, q_start, row0, len_q, head, HEADS_Q, D, EXACT)
         row_scale = gl.convert_layout(q_factors, s_rows) * scale_log2
     else:
+        fence_async_shared()
         mbarrier.expect(q_ready, q_source.block_type.nbytes)
         tma.async_copy_global_to_shared(q_source, [(q_start + row0).to(gl.int32), q_col], q_ready, q_smem)
         row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
@@ -264,10 +345,13 @@ def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready
     row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
     row_max = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=s_rows)
     if not Q_FROM_VALUES:
-        mbarrier.wait(q_ready, 0)
+        mbarrier.wait(q_ready, items_done & 1)
+    # Counted from 0, not as range(first_tile, ...): Triton 3.6 builds such a loop from 0 in a partition
+    # (sm90.backward met it), which would split the ring's parities from the loader's.
     for i in range(my_tiles):
-        stage = i % STAGES
-        phase = (i // STAGES) & 1
+        t = first_tile + i
+        stage = t % STAGES
+        phase = (t // STAGES) & 1
         mbarrier.wait(kv.k_ready.index(stage), phase)
         k_tile_factor = gl.load(k_factor + k_factor_row + i)
         k_view = kv.k.index(stage).permute((1, 0))
@@ -287,8 +371,9 @@ def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready
         acc = gl.fma(acc, gl.convert_layout(alpha, o_rows)[:, None], o_tile)
     # Tiles this consumer's rows never see (causal): released all the same.
     for i in range(my_tiles, n_tiles):
-        mbarrier.wait(kv.k_ready.index(i % STAGES), (i // STAGES) & 1)
-        mbarrier.arrive(kv.empty.index(i % STAGES), count=1)
+        t = first_tile + i
+        mbarrier.wait(kv.k_ready.index(t % STAGES), (t // STAGES) & 1)
+        mbarrier.arrive(kv.empty.index(t % STAGES), count=1)
 
     channels = gl.arange(0, D, layout=o_cols)
     v_factor = layout.scale_value(gl.load(v_exponent + (kv_head * batch + seq) * D + channels))
@@ -303,27 +388,22 @@ def _consume(q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready
     gl.store(lse + (q_start + rows) * HEADS_Q + head, gl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 
-@gluon.jit
+# WorkItems holds these as tensors: a value of 1 must not become a constexpr.
+@gluon.jit(do_not_specialize=("slots", "total_q", "total_k", "q_groups", "k_groups"))
 def _attention_forward_kernel(
     q_source, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k,
-    work, scale_log2, q_groups, k_groups, batch,
+    work, slots, scale_log2, q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr,
 ):
-    """``q_source``: Q's TMA descriptor (rebased Q, token factors in ``q_factor``) or, with Q_FROM_VALUES,
-    Q's high-precision values ``[total_q, HEADS_Q, D]``, which the consumers quantize themselves."""
-    # Head outer, work slots inner: the programs running at once are mostly query tiles of the same
-    # (sequence, head), which stream the same K and V tiles through L2 (faster on causal batches).
-    slot, head = layout.grid_split(HEADS_Q)
-    if gl.load(work + 2 * slot) < 0:
-        return
-    seq, row0, q_start, len_q, k_start, len_k, n_tiles = _tile_span(offsets_q, offsets_k, total_q, total_k, work,
-                                                                     slot, BLOCK_N, CAUSAL)
-    kv_head = head // (HEADS_Q // HEADS_KV)
-    q_factor_row = head.to(gl.int64) * q_groups + layout.padded_seq_start(q_start, seq)
-    k_factor_row = kv_head.to(gl.int64) * k_groups + layout.padded_seq_start(k_start, seq) // BLOCK_N
-
+    """Program p takes work items ``p, p + programs, ...`` (:func:`_for_each_item`; at most one program
+    per SM, :func:`program_count`) with its shared memory, barriers and KV ring set up once, so an
+    item's first KV tiles load under the previous item's last tiles and its O stores (a program per
+    item paid each start and finish in full: many short items, as ragged and cross batches have,
+    spent much of their time so). ``q_source``: Q's TMA descriptor (rebased Q, token factors in
+    ``q_factor``) or, with Q_FROM_VALUES, Q's high-precision values ``[total_q, HEADS_Q, D]``, which
+    the consumers quantize themselves."""
     EXACT: gl.constexpr = SCORES == "bf16"
     q_dtype: gl.constexpr = gl.bfloat16 if EXACT else gl.float8e4nv
     # The layout of Q's TMA descriptor (``tma.operand_descriptor``) when it is loaded rebased.
@@ -343,19 +423,17 @@ def _attention_forward_kernel(
         mbarrier.init(kv_empty.index(stage), count=CONSUMERS)
     fence_async_shared()
 
-    vt_col = layout.padded_seq_start(k_start, seq).to(gl.int32)
     kv = KVStages(k_smem, v_smem, k_ready, v_ready, kv_empty)
-    tile = QueryTile(seq, head, kv_head, row0, q_start, len_q, len_k, head * D, q_factor_row, k_factor_row, n_tiles)
+    items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k, q_groups, k_groups)
     gl.warp_specialize(
         [
-            (_consume, (q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0), q_ready.index(0), kv,
-                        tile, scale_log2, batch, 0, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE,
-                        Q_FROM_VALUES)),
-            (_consume, (q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1), q_ready.index(1), kv,
-                        tile, scale_log2, batch, 1, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE,
-                        Q_FROM_VALUES)),
-            (_load_kv, (k_desc, vt_desc, kv, k_start.to(gl.int32), kv_head * D, kv_head * D, vt_col, n_tiles,
-                        BLOCK_N, STAGES)),
+            (_consume, (items, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0),
+                        q_ready.index(0), kv, scale_log2, batch, 0, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT,
+                        CAUSAL, ROW_TREE, Q_FROM_VALUES)),
+            (_consume, (items, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1),
+                        q_ready.index(1), kv, scale_log2, batch, 1, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT,
+                        CAUSAL, ROW_TREE, Q_FROM_VALUES)),
+            (_load_kv, (items, k_desc, vt_desc, kv, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, CAUSAL)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -386,10 +464,11 @@ def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets
     work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
     if work.shape[0]:
         q_factor = k_factor if from_values else q_factor  # any fp32 tensor: not read from values
-        _attention_forward_kernel[(work.shape[0] * heads_q,)](
+        programs = min(work.shape[0] * heads_q, resident_programs(q.device))
+        _attention_forward_kernel[(programs,)](
             q if from_values else _q_descriptor(q), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor,
             k_factor, v_exponent, out, lse, offsets_q, offsets_k,
-            total_q, total_k, work, softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
+            total_q, total_k, work, work.shape[0], softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
             offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal,
             Q_FROM_VALUES=from_values,
             num_warps=4, **config,
