@@ -575,7 +575,7 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim, from_values):
     q_source = "*bf16" if from_values else descriptor_type(sm90_forward._q_descriptor(q_rebased))
     signature = dict(
         q_source=q_source, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
-        v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
+        v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32", next_item="*i32",
         scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32", total_q="i32", total_k="i32",
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, Q_FROM_VALUES=from_values, **config)

@@ -48,6 +48,9 @@ from ..common.tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONSUMERS = gl.constexpr(2)
+# A [1] tensor whose one value every thread of the loader warp / of a consumer warpgroup holds.
+LOADER_SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+CONSUMER_SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
 
 
@@ -162,33 +165,68 @@ def _query_tile(items, item, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: g
                      q_factor_row, k_factor_row, gl.cdiv(col_end, BLOCK_N))
 
 
+@aggregate
+class ItemRing:
+    """The work items the loader warp hands the consumers, double-buffered: ``item`` int32 ``[2, 1]``,
+    ``ready[b]`` once the loader wrote slot b, ``free[b]`` once both consumers read it; ``next_item`` the
+    launch's int32 ``[1]`` counter of items handed out after the first round (zeroed by the launch)."""
+    item: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    next_item: gl.tensor
+
+    @constexpr_function
+    def __init__(self, item, ready, free, next_item):
+        self.item, self.ready, self.free, self.next_item = item, ready, free, next_item
+
+
 @gluon.jit
-def _for_each_item(items, per_item: gl.constexpr, args, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
-                   D: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """``per_item(tile, first_tile, items_done, *args)`` for the program's work items ``program, program +
-    programs, ...`` that are not empty slots (:func:`_query_tile`). ``first_tile`` counts the KV tiles of
-    the earlier items (the stage ring runs on from item to item), ``items_done`` the earlier items. Every
-    partition walks the items so, and agrees with the others on each item without exchanging it."""
+def _hand_out(ring, k, item):
+    """Loader warp: the program's k-th item into slot k % 2 once the consumers read its previous use."""
+    slot = k % 2
+    mbarrier.wait(ring.free.index(slot), ((k // 2) & 1) ^ 1)
+    ring.item.index(slot).store(gl.full([1], 0, gl.int32, layout=LOADER_SCALAR) + item)
+    mbarrier.arrive(ring.ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take(ring, k):
+    """A consumer: the program's k-th item, read by every warp before the slot is released."""
+    slot = k % 2
+    mbarrier.wait(ring.ready.index(slot), (k // 2) & 1)
+    item = gl.max(ring.item.index(slot).load(CONSUMER_SCALAR), axis=0)
+    gl.thread_barrier()
+    mbarrier.arrive(ring.free.index(slot), count=1)
+    return item
+
+
+@gluon.jit
+def _load_kv(items, ring, k_desc, vt_desc, kv, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loader warp: takes the program's work items and hands each to the consumers (:class:`ItemRing`),
+    then loads its KV tiles (:func:`_load_item_kv`); an item index past the last tells them to stop.
+    Program p's first item is p; each next one comes from the launch's counter once this one's loads
+    are issued, i.e. when its consumers are STAGES tiles from its end: the work list's dearest items
+    first, each to the program that is free first (a fixed share per program, p, p + programs, ...,
+    left some programs the dearest item of every round: causal batches' costs fall along each
+    sequence)."""
+    n_items = items.slots * HEADS_Q
     first_tile = 0
-    items_done = 0
-    for item in range(gl.program_id(0), items.slots * HEADS_Q, gl.num_programs(0)):
+    k = 0
+    item = gl.program_id(0)
+    while item < n_items:
+        _hand_out(ring, k, item)
         tile = _query_tile(items, item, HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
         if tile.seq >= 0:
-            per_item(tile, first_tile, items_done, *args)
+            _load_item_kv(tile, first_tile, k_desc, vt_desc, kv, D, BLOCK_N, STAGES)
             first_tile += tile.n_tiles
-            items_done += 1
+        k += 1
+        item = gl.num_programs(0) + gl.atomic_add(ring.next_item, 1)
+    _hand_out(ring, k, n_items)
 
 
 @gluon.jit
-def _load_kv(items, k_desc, vt_desc, kv, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Loader warp over the program's work items (:func:`_for_each_item`), each by :func:`_load_item_kv`."""
-    _for_each_item(items, _load_item_kv, (k_desc, vt_desc, kv, D, BLOCK_N, STAGES), HEADS_Q, HEADS_KV, D, BLOCK_N,
-                   CAUSAL)
-
-
-@gluon.jit
-def _load_item_kv(tile, first_tile, items_done, k_desc, vt_desc, kv, D: gl.constexpr, BLOCK_N: gl.constexpr,
+def _load_item_kv(tile, first_tile, k_desc, vt_desc, kv, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr):
     """Loader warp on one item: its K and V^T tile i into stage (first_tile + i) % STAGES once both
     consumers released that stage's previous use (the previous item's last tiles too: the ring runs on,
@@ -280,16 +318,28 @@ def _stage_quantized_q(q_values, q_smem, q_start, row0, len_q, head,
 
 
 @gluon.jit
-def _consume(items, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2,
+def _consume(items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2,
              batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
              ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
-    """One consumer warpgroup over the program's work items (:func:`_for_each_item`), each by
-    :func:`_consume_item`."""
-    _for_each_item(items, _consume_item,
-                   (q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2, batch,
-                    CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE, Q_FROM_VALUES),
-                   HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
+    """One consumer warpgroup over the items the loader hands it (:class:`ItemRing`), each that is
+    not an empty slot by :func:`_consume_item`: ``first_tile`` counts the KV tiles of the earlier
+    items (the stage ring runs on from item to item), ``items_done`` the earlier items."""
+    n_items = items.slots * HEADS_Q
+    first_tile = 0
+    items_done = 0
+    k = 0
+    item = _take(ring, k)
+    while item < n_items:
+        tile = _query_tile(items, item, HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
+        if tile.seq >= 0:
+            _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem,
+                          q_ready, kv, scale_log2, batch, CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL,
+                          ROW_TREE, Q_FROM_VALUES)
+            first_tile += tile.n_tiles
+            items_done += 1
+        k += 1
+        item = _take(ring, k)
 
 
 @gluon.jit
@@ -392,16 +442,15 @@ def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_
 @gluon.jit(do_not_specialize=("slots", "total_q", "total_k", "q_groups", "k_groups"))
 def _attention_forward_kernel(
     q_source, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k,
-    work, slots, scale_log2, q_groups, k_groups, batch,
+    work, slots, next_item, scale_log2, q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr,
 ):
-    """Program p takes work items ``p, p + programs, ...`` (:func:`_for_each_item`; at most one program
-    per SM, :func:`program_count`) with its shared memory, barriers and KV ring set up once, so an
-    item's first KV tiles load under the previous item's last tiles and its O stores (a program per
-    item paid each start and finish in full: many short items, as ragged and cross batches have,
-    spent much of their time so). ``q_source``: Q's TMA descriptor (rebased Q, token factors in
+    """At most one program per SM, each taking work items until none is left (:func:`_load_kv`) with its
+    shared memory, barriers and KV ring set up once, so an item's first KV tiles load under the
+    previous item's last tiles and its O stores (a program per item paid each start and finish in
+    full: many short items, as ragged and cross batches have, spent much of their time so). ``q_source``: Q's TMA descriptor (rebased Q, token factors in
     ``q_factor``) or, with Q_FROM_VALUES, Q's high-precision values ``[total_q, HEADS_Q, D]``, which
     the consumers quantize themselves."""
     EXACT: gl.constexpr = SCORES == "bf16"
@@ -415,6 +464,12 @@ def _attention_forward_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(2):
+        mbarrier.init(item_ready.index(slot), count=1)
+        mbarrier.init(item_free.index(slot), count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
     for stage in gl.static_range(STAGES):
@@ -425,15 +480,16 @@ def _attention_forward_kernel(
 
     kv = KVStages(k_smem, v_smem, k_ready, v_ready, kv_empty)
     items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k, q_groups, k_groups)
+    ring = ItemRing(item_smem, item_ready, item_free, next_item)
     gl.warp_specialize(
         [
-            (_consume, (items, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0),
+            (_consume, (items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0),
                         q_ready.index(0), kv, scale_log2, batch, 0, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT,
                         CAUSAL, ROW_TREE, Q_FROM_VALUES)),
-            (_consume, (items, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1),
+            (_consume, (items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1),
                         q_ready.index(1), kv, scale_log2, batch, 1, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT,
                         CAUSAL, ROW_TREE, Q_FROM_VALUES)),
-            (_load_kv, (items, k_desc, vt_desc, kv, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, CAUSAL)),
+            (_load_kv, (items, ring, k_desc, vt_desc, kv, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, CAUSAL)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -468,7 +524,7 @@ def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets
         _attention_forward_kernel[(programs,)](
             q if from_values else _q_descriptor(q), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor,
             k_factor, v_exponent, out, lse, offsets_q, offsets_k,
-            total_q, total_k, work, work.shape[0], softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
+            total_q, total_k, work, work.shape[0], torch.zeros(1, dtype=torch.int32, device=q.device), softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
             offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal,
             Q_FROM_VALUES=from_values,
             num_warps=4, **config,
