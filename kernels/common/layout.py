@@ -307,7 +307,7 @@ def fold_max(target, values):
 def grid_split(outer):
     """(inner, outer) index of this program when grid axis 0 runs over ``inner x outer`` programs,
     inner fastest: (tile, sequence) where a grid holds more sequences than axes 1 and 2 allow
-    (65535); (work slot, head) where the programs running at once should be tiles of one head."""
+    (65535)."""
     inner = tl.num_programs(0) // outer
     program = tl.program_id(0)
     return program % inner, program // inner

@@ -9,7 +9,8 @@ in order from ``padded_tile(offsets[b], b, block)``, then its spare slot, empty)
 is known on the host without reading the offsets; a slot finds its sequence by binary search.
 :func:`work_list` orders the same slots sequence by sequence, the most work first, and within a
 sequence by the number of columns each tile visits, most first: the GPU hands programs out in
-launch order, so the long work starts first and the short fills the gaps
+launch order (and a persistent kernel, ``sm90.forward``, takes items from a counter in that order),
+so the long work starts first and the short fills the gaps
 (longest-processing-time-first), while the programs running at once share a sequence's data in L2;
 empty slots sit at the end. Either costs one kernel launch
 (plus a sort for the work list): a training step builds six tables, and launching a few dozen small

@@ -1,10 +1,13 @@
 """Varlen MXFP8 attention forward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
 
-Each program computes a 128-row query tile of one head: a loader warp streams K and V^T tiles
-with TMA into a ring of shared-memory stages, and two consumer warpgroups (64 query rows each)
-run S = Q K^T, the online softmax and O += P V on them. The consumers share every K/V tile (half
-the shared-memory traffic of two 64-row programs) and, not being tied by block-wide barriers,
-one's softmax runs while the other's MMAs do.
+A work item is a 128-row query tile of one head: a loader warp streams its K and V^T tiles with
+TMA into a ring of shared-memory stages, and two consumer warpgroups (64 query rows each) run
+S = Q K^T, the online softmax and O += P V on them. The consumers share every K/V tile (half the
+shared-memory traffic of two 64-row programs) and, not being tied by block-wide barriers, one's
+softmax runs while the other's MMAs do. The launch is persistent: one program per SM, each taking
+items until none is left, the next one from a launch-wide counter (the loader warp takes it and
+hands it to the consumers), so the ring runs on from item to item and the work list's dearest items
+go first, each to the program that is free first.
 
 Operands are the portable forward's (``producers.rebase``), Q rebased like K but per token: with
 SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they are their
