@@ -564,7 +564,7 @@ def test_gluon_descriptors_build_on_the_host():
 @pytest.mark.parametrize("scores, dim, from_values", [("fp8", 128, False), ("bf16", 128, False), ("fp8", 64, False),
                                                       ("fp8", 128, True), ("bf16", 128, True)])
 def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim, from_values):
-    """The warp-specialized kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
+    """The warp-specialized, persistent kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
     wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg); K and V^T
     by TMA, Q too unless the consumers quantize it from its values (16-byte loads, no spills)."""
     config = sm90_forward.tile_config(dim, scores)
@@ -588,6 +588,8 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim, from_values):
     bf16_mma = [line for line in wgmma if "bf16.bf16" in line]
     assert fp8_mma and len(fp8_mma) + len(bf16_mma) == len(wgmma) and bool(bf16_mma) == (scores == "bf16")
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    # Persistent: the loader warp takes each next item from the launch's counter (one lane's atomic add)
+    assert len(re.findall(r"atom\.global\.[a-z_.]*add\.u32", ptx)) == 1
     # K and V^T by the loader; rebased Q by each consumer, or Q's values by plain 16-byte loads
     assert ptx.count("cp.async.bulk.tensor") >= (2 if from_values else 3)
     if from_values:
