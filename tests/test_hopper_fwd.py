@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jagged_attn import quantize_mxfp8, reference
-from jagged_attn.kernels.common import layout
+from jagged_attn.kernels.common import layout, persistent
 from jagged_attn.kernels.portable import forward as portable_forward
 from jagged_attn.kernels.producers import rebase
 from jagged_attn.kernels.sm90 import forward as sm90_forward
@@ -575,8 +575,8 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim, from_values):
     q_source = "*bf16" if from_values else descriptor_type(sm90_forward._q_descriptor(q_rebased))
     signature = dict(
         q_source=q_source, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
-        v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32", next_item="*i32",
-        scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32", total_q="i32", total_k="i32",
+        v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
+        next_item="*i32", scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32", total_q="i32", total_k="i32",
     )
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, Q_FROM_VALUES=from_values, **config)
     signature.update({name: "constexpr" for name in constexprs})
@@ -607,7 +607,7 @@ def test_gpu_gluon_kernel_matches_the_triton_kernel(poisoned, monkeypatch, progr
     each program takes one item or a few; with 3 programs each walks many, of every length and the
     empty slots, the KV ring running on from item to item."""
     if programs is not None:
-        monkeypatch.setattr(sm90_forward, "resident_programs", lambda device: programs)
+        monkeypatch.setattr(persistent, "resident_programs", lambda device: programs)
     q, k, v, offsets_q, offsets_k = make_inputs(len_q, len_k, heads_q, heads_kv, dim)
     mq, mk, mv = quantized(q, k, v, offsets_q, offsets_k)
     options = dict(causal=causal, softmax_scale=dim**-0.5, out_dtype=torch.float32)

@@ -22,8 +22,6 @@ write into a returned table.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -178,9 +176,3 @@ def work_list(
     key = ("work", total_rows, total_cols, block, causal, rows_are_queries)
     return reuse.derived((offsets_rows, offsets_cols), key, build)
 
-
-@functools.cache
-def resident_programs(device: torch.device) -> int:
-    """SMs of ``device``: how many programs of a kernel that fills an SM's shared memory run at once (the
-    persistent launches' program count)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -66,7 +66,8 @@ from jagged_attn.offsets import known_longest
 
 from ..common import bounds, layout
 from ..common.layout import SCORE_MODES
-from ..common.schedule import resident_programs, work_list
+from ..common.persistent import resident_programs
+from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 from ..portable.backward import launch_deterministic_dq
 from ..producers.backward_passes import (

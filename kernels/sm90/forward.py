@@ -34,7 +34,7 @@ from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon d
 
 from jagged_attn.mxfp8 import checked_after, max_magnitude
 
-from ..common import bounds, fp8, layout
+from ..common import bounds, fp8, layout, persistent
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
 from ..producers.rebase import (
@@ -46,14 +46,11 @@ from ..producers.rebase import (
     quantize_rebase_kv,
     quantized_feature_blocks,
 )
-from ..common.schedule import resident_programs, work_list
+from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 CONSUMERS = gl.constexpr(2)
-# A [1] tensor whose one value every thread of the loader warp / of a consumer warpgroup holds.
-LOADER_SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-CONSUMER_SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
 
 
@@ -168,64 +165,25 @@ def _query_tile(items, item, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: g
                      q_factor_row, k_factor_row, gl.cdiv(col_end, BLOCK_N))
 
 
-@aggregate
-class ItemRing:
-    """The work items the loader warp hands the consumers, double-buffered: ``item`` int32 ``[2, 1]``,
-    ``ready[b]`` once the loader wrote slot b, ``free[b]`` once both consumers read it; ``next_item`` the
-    launch's int32 ``[1]`` counter of items handed out after the first round (zeroed by the launch)."""
-    item: gl.shared_memory_descriptor
-    ready: gl.shared_memory_descriptor
-    free: gl.shared_memory_descriptor
-    next_item: gl.tensor
-
-    @constexpr_function
-    def __init__(self, item, ready, free, next_item):
-        self.item, self.ready, self.free, self.next_item = item, ready, free, next_item
-
-
-@gluon.jit
-def _hand_out(ring, k, item):
-    """Loader warp: the program's k-th item into slot k % 2 once the consumers read its previous use."""
-    slot = k % 2
-    mbarrier.wait(ring.free.index(slot), ((k // 2) & 1) ^ 1)
-    ring.item.index(slot).store(gl.full([1], 0, gl.int32, layout=LOADER_SCALAR) + item)
-    mbarrier.arrive(ring.ready.index(slot), count=1)
-
-
-@gluon.jit
-def _take(ring, k):
-    """A consumer: the program's k-th item, read by every warp before the slot is released."""
-    slot = k % 2
-    mbarrier.wait(ring.ready.index(slot), (k // 2) & 1)
-    item = gl.max(ring.item.index(slot).load(CONSUMER_SCALAR), axis=0)
-    gl.thread_barrier()
-    mbarrier.arrive(ring.free.index(slot), count=1)
-    return item
-
-
 @gluon.jit
 def _load_kv(items, ring, k_desc, vt_desc, kv, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Loader warp: takes the program's work items and hands each to the consumers (:class:`ItemRing`),
-    then loads its KV tiles (:func:`_load_item_kv`); an item index past the last tells them to stop.
-    Program p's first item is p; each next one comes from the launch's counter once this one's loads
-    are issued, i.e. when its consumers are STAGES tiles from its end: the work list's dearest items
-    first, each to the program that is free first (a fixed share per program, p, p + programs, ...,
-    left some programs the dearest item of every round: causal batches' costs fall along each
-    sequence)."""
+    """Loader warp: takes the program's work items and hands each to the consumers
+    (``persistent.ItemRing``), then loads its KV tiles (:func:`_load_item_kv`); the next item is taken
+    once this one's loads are issued, i.e. when its consumers are STAGES tiles from its end."""
     n_items = items.slots * HEADS_Q
     first_tile = 0
     k = 0
     item = gl.program_id(0)
     while item < n_items:
-        _hand_out(ring, k, item)
         tile = _query_tile(items, item, HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
-        if tile.seq >= 0:
+        if tile.seq >= 0:  # empty slots are not handed out
+            persistent.hand_out(ring, k, item, first_tile, 1)
             _load_item_kv(tile, first_tile, k_desc, vt_desc, kv, D, BLOCK_N, STAGES)
             first_tile += tile.n_tiles
-        k += 1
-        item = gl.num_programs(0) + gl.atomic_add(ring.next_item, 1)
-    _hand_out(ring, k, n_items)
+            k += 1
+        item = persistent.next_item(ring)
+    persistent.hand_out(ring, k, n_items, first_tile, 1)
 
 
 @gluon.jit
@@ -325,24 +283,19 @@ def _consume(items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_
              batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
              ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
-    """One consumer warpgroup over the items the loader hands it (:class:`ItemRing`), each that is
-    not an empty slot by :func:`_consume_item`: ``first_tile`` counts the KV tiles of the earlier
-    items (the stage ring runs on from item to item), ``items_done`` the earlier items."""
+    """One consumer warpgroup over the items the loader hands it (``persistent.ItemRing``), each by
+    :func:`_consume_item`, from the KV tile the loader put first on the ring for it."""
     n_items = items.slots * HEADS_Q
-    first_tile = 0
-    items_done = 0
     k = 0
-    item = _take(ring, k)
+    item, first_tile = persistent.take(ring, k, 4)
     while item < n_items:
         tile = _query_tile(items, item, HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
-        if tile.seq >= 0:
-            _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem,
-                          q_ready, kv, scale_log2, batch, CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL,
-                          ROW_TREE, Q_FROM_VALUES)
-            first_tile += tile.n_tiles
-            items_done += 1
+        _consume_item(tile, first_tile, k, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv,
+                      scale_log2, batch, CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE,
+                      Q_FROM_VALUES)
+        persistent.release(ring, k)
         k += 1
-        item = _take(ring, k)
+        item, first_tile = persistent.take(ring, k, 4)
 
 
 @gluon.jit
@@ -350,11 +303,12 @@ def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_
                   q_ready, kv, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
                   ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
-    """One consumer warpgroup on one item: its query rows against the item's KV tiles (the ring's tiles
-    from ``first_tile`` on), then its rows of O and LSE. Each tile's MMAs are waited for at once: FlashAttention-3's ping-pong of the two consumers and
-    its intra-warpgroup overlap (S of the next tile under this one's softmax; also on 64-key halves,
-    which leave room for it beside the fresh P·V accumulator) measured no faster here: the softmax's own
-    latency, not the MMA waits, sets the pace, and halves double its per-tile work (docs/perf-history.md)."""
+    """One consumer warpgroup on the program's ``items_done``-th item: its query rows against the item's
+    KV tiles (the ring's tiles from ``first_tile`` on), then its rows of O and LSE. Each tile's MMAs are
+    waited for at once: FlashAttention-3's ping-pong of the two consumers and its intra-warpgroup
+    overlap (S of the next tile under this one's softmax; also on 64-key halves, which leave room for
+    it beside the fresh P·V accumulator) measured no faster here: the softmax's own latency, not the
+    MMA waits, sets the pace, and halves double its per-tile work (docs/perf-history.md)."""
     seq, head, kv_head, rows0 = tile.seq, tile.head, tile.kv_head, tile.rows0
     q_start, len_q, len_k, q_col = tile.q_start, tile.len_q, tile.len_k, tile.q_col
     q_factor_row, k_factor_row, n_tiles = tile.q_factor_row, tile.k_factor_row, tile.n_tiles
@@ -453,9 +407,9 @@ def _attention_forward_kernel(
     """At most one program per SM, each taking work items until none is left (:func:`_load_kv`) with its
     shared memory, barriers and KV ring set up once, so an item's first KV tiles load under the
     previous item's last tiles and its O stores (a program per item paid each start and finish in
-    full: many short items, as ragged and cross batches have, spent much of their time so). ``q_source``: Q's TMA descriptor (rebased Q, token factors in
-    ``q_factor``) or, with Q_FROM_VALUES, Q's high-precision values ``[total_q, HEADS_Q, D]``, which
-    the consumers quantize themselves."""
+    full: many short items, as ragged and cross batches have, spent much of their time so).
+    ``q_source``: Q's TMA descriptor (rebased Q, token factors in ``q_factor``) or, with Q_FROM_VALUES,
+    Q's high-precision values ``[total_q, HEADS_Q, D]``, which the consumers quantize themselves."""
     EXACT: gl.constexpr = SCORES == "bf16"
     q_dtype: gl.constexpr = gl.bfloat16 if EXACT else gl.float8e4nv
     # The layout of Q's TMA descriptor (``tma.operand_descriptor``) when it is loaded rebased.
@@ -467,12 +421,7 @@ def _attention_forward_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(2):
-        mbarrier.init(item_ready.index(slot), count=1)
-        mbarrier.init(item_free.index(slot), count=CONSUMERS)
+    ring = persistent.item_ring(next_item, CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
     for stage in gl.static_range(STAGES):
@@ -483,7 +432,6 @@ def _attention_forward_kernel(
 
     kv = KVStages(k_smem, v_smem, k_ready, v_ready, kv_empty)
     items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k, q_groups, k_groups)
-    ring = ItemRing(item_smem, item_ready, item_free, next_item)
     gl.warp_specialize(
         [
             (_consume, (items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0),
@@ -523,14 +471,13 @@ def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets
     work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
     if work.shape[0]:
         q_factor = k_factor if from_values else q_factor  # any fp32 tensor: not read from values
-        programs = min(work.shape[0] * heads_q, resident_programs(q.device))
+        programs = persistent.program_count(work.shape[0] * heads_q, q.device)
         _attention_forward_kernel[(programs,)](
             q if from_values else _q_descriptor(q), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor,
             k_factor, v_exponent, out, lse, offsets_q, offsets_k,
-            total_q, total_k, work, work.shape[0], torch.zeros(1, dtype=torch.int32, device=q.device), softmax_scale * layout.LOG2E.value, q_factor.shape[1], k_factor.shape[1],
-            offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal,
-            Q_FROM_VALUES=from_values,
-            num_warps=4, **config,
+            total_q, total_k, work, work.shape[0], persistent.counter(q.device), softmax_scale * layout.LOG2E.value,
+            q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim,
+            CAUSAL=causal, Q_FROM_VALUES=from_values, num_warps=4, **config,
         )
     return out, lse
 
