@@ -32,11 +32,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon does not export it yet
 
-from jagged_attn.mxfp8 import checked_after, max_magnitude
+from jagged_attn.mxfp8 import checked_after
 
 from ..common import bounds, fp8, layout, persistent
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
+from ..producers.backward_passes import checked_query_maxima
 from ..producers.rebase import (
     block_values,
     kept_rebase_feature,
@@ -506,7 +507,9 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     """Like :func:`attention_forward` for bf16/fp16 q, k, v (``portable.forward.attention_forward_hp``'s
     arguments): K and V quantized and rebased in one pass, Q by the kernel's consumers as they load it
     (``quantizes_q_in_kernel``) or by a pass. With ``check_finite`` the passes flag NaN/Inf in what they
-    read, and q, when the consumers quantize it unchecked, by one read of its own, for the check."""
+    read, and q, when the consumers quantize it unchecked, by a read of its own: the backward's first
+    pass over Q (``backward_passes.checked_query_maxima``), whose maxima the backward of the same q
+    then takes instead of reading Q for them."""
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
     in_kernel = quantizes_q_in_kernel(q.shape[-1])
@@ -517,7 +520,7 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     else:
         q_operand = (q.contiguous(), None)
         if q_flag is not None:
-            q_flag.copy_(max_magnitude(q).reshape(1))
+            q_flag.copy_(checked_query_maxima(q, offsets_q, q.shape[1] // k.shape[1]))
     kv_operands = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
                                      nonfinite=kv_flags)
     return checked_after(flags, ("q", "k", "v"), lambda: _launch(
