@@ -108,6 +108,8 @@ DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
 # The dS exchange buffers' swizzle (their 64-byte rows): e4m3 for the dQ wgmmas, 16-bit key pairs for the
 # consumers' stores (_share_ds).
 DS_SWIZZLE_BYTES = gl.constexpr(64)
+# A query row past every sequence's (the causal mask's "no query sees this key").
+NO_QUERY = gl.constexpr(1 << 30)
 # A [1] tensor whose one value every thread holds (scalars through shared memory).
 EVERY_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
@@ -542,7 +544,7 @@ def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_s
     empty slot): its dK and dV, accumulated and stored."""
     dk_acc, dv_acc, ds_byte = _accumulate_key_gradients(
         kv, stages, exchange, amax_smem, grads, tile, first_step, kv_phase, items.total_k, softmax_scale,
-        CONSUMER, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)
+        CONSUMER, HEADS_Q // HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)
     # The tile described again from its item, not kept: its fields would hold registers through the
     # steps' loop, where the consumers have none to spare.
     tile = _key_tile(items, item, HEADS_Q, HEADS_KV, CAUSAL)
@@ -550,23 +552,41 @@ def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_s
                          CONSUMER, HEADS_KV, D)
 
 
+@aggregate
+class KeyRows:
+    """What a consumer's steps read of its 64 keys: their K and V tiles in shared memory and, per key,
+    the factors applied to S^T (``score``, FP8 scores only), dP^T (``value``, FP8 only) and dS (``ds``),
+    and the first query row that sees the key (``first_seeing``: NO_QUERY past the sequence's keys)."""
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    score: gl.tensor
+    value: gl.tensor
+    ds: gl.tensor
+    first_seeing: gl.tensor
+
+    @constexpr_function
+    def __init__(self, k, v, score, value, ds, first_seeing):
+        self.k, self.v, self.score, self.value, self.ds, self.first_seeing = k, v, score, value, ds, first_seeing
+
+
 @gluon.jit
 def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, first_step, kv_phase, total_k,
-                              softmax_scale, CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, EXACT: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
-                              IN_TURN: gl.constexpr):
+                              softmax_scale, CONSUMER: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
+                              ACCUMULATE_DQ: gl.constexpr, IN_TURN: gl.constexpr):
     """One consumer warpgroup on one key tile: dK and dV of its 64 keys (fp32 accumulators in the
     wgmma layout, dK on the running dS scale ``ds_byte``, returned with it) over every streamed query
-    tile (the ring's steps from ``first_step`` on), and each step's dS for the dQ warpgroup."""
+    tile (the ring's steps from ``first_step`` on: the query tiles of each of the GROUP query heads in
+    turn), and each step's dS for the dQ warpgroup. Each head's steps before the first query row that
+    sees every key (causal), or all of them when the key tile runs past the sequence, are masked; they
+    run as a loop of their own, so that the other steps carry no mask, not even a branch around it
+    (a branch inside the step splits its scheduling: measured slower than 32 predicated selects)."""
     kv_head, n_start = tile.kv_head, tile.n_start
     len_q, k_start, len_k = tile.len_q, tile.k_start, tile.len_k
-    m_lo, m_end, n_steps = tile.m_lo, tile.m_end, tile.n_steps
+    m_lo, m_end = tile.m_lo, tile.m_end
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
-    s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M)
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s_rows: gl.constexpr = gl.SliceLayout(1, layout.wgmma_accumulator_layout(BLOCK_M))
 
     key0 = n_start + CONSUMER * KEYS
     k_smem = kv.k.index(CONSUMER)
@@ -583,96 +603,122 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     key_scales = kv_head.to(gl.int64) * total_k + k_start + keys  # in the [Hkv, total_k] token scales
     k_factor = gl.load(grads.k_scale + key_scales, mask=keys < len_k, other=0.0)
     # S^T and dP^T come from bf16 copies holding the MX values (EXACT: fp32 accumulation) or from
-    # e4m3 copies in units of the token scales, applied here.
-    if not EXACT:
-        k_score_factor = k_factor * (softmax_scale * layout.LOG2E)
+    # e4m3 copies in units of the token scales, applied in the steps.
+    if EXACT:
+        score_factor = k_factor  # not read
+        v_factor = k_factor  # not read
+    else:
+        score_factor = k_factor * (softmax_scale * layout.LOG2E)
         v_factor = gl.load(grads.v_scale + key_scales, mask=keys < len_k, other=0.0)
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
     # token scales (backward_passes) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
-    k_ds_factor = k_factor * (1.0 / layout.P_SCALE)
-    diagonal = bounds.diagonal(len_q, len_k)
-    # Steps whose query tile some key of the program does not see (causal), or all of them
-    # when the key tile runs past the sequence, need the mask.
-    partial_keys = n_start + BLOCK_N > len_k
-    score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, kv.k_desc.dtype.primitive_bitwidth)
-    score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
+    ds_factor = k_factor * (1.0 / layout.P_SCALE)
+    # Without CAUSAL every query row sees every key of the sequence.
+    diagonal = bounds.diagonal(len_q, len_k) if CAUSAL else len_k
+    first_seeing = gl.where(keys < len_k, bounds.first_query_seeing(keys, diagonal), NO_QUERY)
+    key_rows = KeyRows(k_smem, v_smem, score_factor, v_factor, ds_factor, first_seeing)
+    if n_start + BLOCK_N > len_k:
+        unmasked_from = m_end
+    else:
+        unmasked_from = gl.minimum(bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal), m_end)
+    masked_steps = gl.maximum(gl.cdiv(unmasked_from - m_lo, BLOCK_M), 0)
+    unmasked_steps = (m_end - m_lo) // BLOCK_M - masked_steps
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
-    o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(ready, kv_phase)
-    head, m0 = tile.first_head, m_lo
-    # Counted from 0, not as range(first_step, first_step + n_steps): Triton 3.6 built that loop from 0
-    # in the consumers (the ring's parities then split from the loader's, which hung the kernel).
-    for j in range(n_steps):
-        i = first_step + j
-        stage = i % STAGES
-        phase = (i // STAGES) & 1
-        rows = stage * ROW_VECTORS
+    # Loops counted from 0, the ring's step carried: Triton 3.6 built a loop from first_step from 0 in
+    # the consumers (the ring's parities then split from the loader's, which hung the kernel).
+    i = first_step
+    for _ in range(GROUP):
+        for j in range(masked_steps):
+            dk_acc, dv_acc, ds_byte = _key_step(i, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte, key_rows, stages,
+                                                exchange, amax_smem, softmax_scale, CONSUMER, D, STAGES, EXACT,
+                                                ACCUMULATE_DQ, True)
+            i += 1
+        for j in range(unmasked_steps):
+            dk_acc, dv_acc, ds_byte = _key_step(i, 0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange,
+                                                amax_smem, softmax_scale, CONSUMER, D, STAGES, EXACT,
+                                                ACCUMULATE_DQ, False)
+            i += 1
+    return dk_acc, dv_acc, ds_byte
 
-        mbarrier.wait(stages.q_ready.index(stage), phase)
-        q_view = stages.q.index(stage).permute((1, 0))
-        s = warpgroup_mma(k_smem, q_view, score_zero, use_acc=False, is_async=True)
-        mbarrier.wait(stages.do_ready.index(stage), phase)
-        do_view = stages.do.index(stage).permute((1, 0))
-        dp = warpgroup_mma(v_smem, do_view, score_zero, use_acc=False, is_async=True)
-        s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, k_smem, q_view, v_smem, do_view))
-        s = gl.convert_layout(s, s_layout, assert_trivial=True)
-        dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
-        # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
-        q_factor = stages.rows.index(rows + Q_FACTOR).load(s_cols)
-        p_lse2 = stages.rows.index(rows + P_LSE2).load(s_cols)
-        if EXACT:
-            p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
-        else:
-            p = gl.exp2(s * k_score_factor[:, None] * q_factor[None, :] - p_lse2[None, :])
-        masked = partial_keys
-        if CAUSAL:
-            masked = masked | (m0 < bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal))
-        if masked:
-            if CAUSAL:
-                # One compare per element: the tile's column against the first one each key is
-                # visible to (none past the sequence's keys). A thread's columns are 8a + 2l + c (a, c:
-                # its registers, l: lane bits 0-1); compared as 8a + c against the threshold less 2l,
-                # the columns are constants and each row one register, not 16 live column indices.
-                first_column = gl.where(keys < len_k, bounds.first_query_seeing(keys, diagonal) - m0, BLOCK_M)
-                columns = gl.arange(0, BLOCK_M, layout=s_cols)
-                p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
-            else:
-                p = gl.where(keys[:, None] < len_k, p, 0.0)
-        q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
-        if EXACT:
-            q_dp = dp * q_factor[None, :] - q_delta[None, :]
-        else:
-            q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
-            q_dp = (dp * v_factor[:, None]) * q_do_factor[None, :] - q_delta[None, :]
-        # dS' on the running scale so far (capped, see DS_PRESCALE_BYTE), moved onto the tile's new
-        # scale only when it grew: one multiply per element fewer in the common case.
-        prescale_byte = gl.maximum(ds_byte, DS_PRESCALE_BYTE)
-        ds = p * q_dp * (k_ds_factor * layout.scale_factor(prescale_byte))[:, None]
-        amax = _tile_amax(ds, amax_smem) * layout.scale_value(prescale_byte)
-        ds_byte, rescale = layout.grown_scale_byte(amax, ds_byte)
-        onto_new_scale = layout.byte_ratio(prescale_byte, ds_byte)
-        if onto_new_scale != 1.0:
-            ds = ds * onto_new_scale
-        ds8 = ds.to(gl.float8e4nv)
-        p8 = _as_query_operand(p.to(gl.float8e4nv), a_layout)
-        # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
-        # the dQ warpgroup starts earlier.
-        if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
-            _share_ds(ds, ds_byte, exchange, i, CONSUMER)
+@gluon.jit
+def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale,
+              CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
+              ACCUMULATE_DQ: gl.constexpr, MASKED: gl.constexpr):
+    """Step i of a consumer (its query tile's first row ``m0``, read only MASKED): S^T and dP^T of its keys
+    (``key_rows``) against stage i % STAGES, P^T and dS^T (P^T masked where a key is not seen), dS
+    published for the dQ warpgroup, dV and dK accumulated; returns (dk_acc, dv_acc, ds_byte)."""
+    KEYS: gl.constexpr = KEYS_PER_CONSUMER
+    s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M)
+    o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, key_rows.k.dtype.primitive_bitwidth)
+    score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
+    o_zero = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
+    rows = stage * ROW_VECTORS
 
-        dot_view = stages.dot.index(stage).permute((1, 0))
-        dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
-        qt_view = stages.qt.index(stage).permute((1, 0))
-        dk_tile = warpgroup_mma(_as_query_operand(ds8, a_layout), qt_view, o_zero, use_acc=False, is_async=True)
-        dv_acc, dk_tile, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, dk_tile, dot_view, qt_view))
-        # dK from a fresh accumulator, added in fp32: chained FP8 wgmma accumulation truncates the
-        # small steps against a large running dK (heavy-tailed inputs' dK missed the 2e-2 bar so).
-        dk_acc = dk_acc * rescale + dk_tile
-        mbarrier.arrive(stages.empty.index(stage), count=1)
-        head, m0 = _next_query_tile(head, m0, m_lo, m_end)
+    mbarrier.wait(stages.q_ready.index(stage), phase)
+    q_view = stages.q.index(stage).permute((1, 0))
+    s = warpgroup_mma(key_rows.k, q_view, score_zero, use_acc=False, is_async=True)
+    mbarrier.wait(stages.do_ready.index(stage), phase)
+    do_view = stages.do.index(stage).permute((1, 0))
+    dp = warpgroup_mma(key_rows.v, do_view, score_zero, use_acc=False, is_async=True)
+    s, dp, _, _, _, _ = warpgroup_mma_wait(0, deps=(s, dp, key_rows.k, q_view, key_rows.v, do_view))
+    s = gl.convert_layout(s, s_layout, assert_trivial=True)
+    dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
+
+    # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
+    q_factor = stages.rows.index(rows + Q_FACTOR).load(s_cols)
+    p_lse2 = stages.rows.index(rows + P_LSE2).load(s_cols)
+    if EXACT:
+        p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
+    else:
+        p = gl.exp2(s * key_rows.score[:, None] * q_factor[None, :] - p_lse2[None, :])
+    if MASKED:
+        # One compare per element: the tile's column against the first one each key is visible to.
+        # A thread's columns are 8a + 2l + c (a, c: its registers, l: lane bits 0-1); compared as 8a + c
+        # against the threshold less 2l, the columns are constants and each row one register, not 16
+        # live column indices.
+        first_column = key_rows.first_seeing - m0
+        columns = gl.arange(0, BLOCK_M, layout=s_cols)
+        p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
+    q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
+    if EXACT:
+        q_dp = dp * q_factor[None, :] - q_delta[None, :]
+    else:
+        q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
+        q_dp = (dp * key_rows.value[:, None]) * q_do_factor[None, :] - q_delta[None, :]
+    # dS' on the running scale so far (capped, see DS_PRESCALE_BYTE), moved onto the tile's new
+    # scale only when it grew: one multiply per element fewer in the common case.
+    prescale_byte = gl.maximum(ds_byte, DS_PRESCALE_BYTE)
+    ds = p * q_dp * (key_rows.ds * layout.scale_factor(prescale_byte))[:, None]
+    amax = _tile_amax(ds, amax_smem) * layout.scale_value(prescale_byte)
+    ds_byte, rescale = layout.grown_scale_byte(amax, ds_byte)
+    onto_new_scale = layout.byte_ratio(prescale_byte, ds_byte)
+    if onto_new_scale != 1.0:
+        ds = ds * onto_new_scale
+    ds8 = ds.to(gl.float8e4nv)
+    p8 = _as_query_operand(p.to(gl.float8e4nv), a_layout)
+    # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
+    # the dQ warpgroup starts earlier.
+    if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
+        _share_ds(ds, ds_byte, exchange, i, CONSUMER)
+
+    dot_view = stages.dot.index(stage).permute((1, 0))
+    dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
+    qt_view = stages.qt.index(stage).permute((1, 0))
+    dk_tile = warpgroup_mma(_as_query_operand(ds8, a_layout), qt_view, o_zero, use_acc=False, is_async=True)
+    dv_acc, dk_tile, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, dk_tile, dot_view, qt_view))
+    # dK from a fresh accumulator, added in fp32: chained FP8 wgmma accumulation truncates the
+    # small steps against a large running dK (heavy-tailed inputs' dK missed the 2e-2 bar so).
+    dk_acc = dk_acc * rescale + dk_tile
+    mbarrier.arrive(stages.empty.index(stage), count=1)
     return dk_acc, dv_acc, ds_byte
 
 
