@@ -563,8 +563,9 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     serialized by ptxas, which it does to every wgmma of the kernel when one partition is short of
     registers (note C7512: 23.9 against 21.7 ms on an H200); and no shuffle reductions: each
     consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``; gl.max's shuffle
-    rounds were 17% of the consumers' stall samples). The descriptors are the launcher's own, built on
-    the host."""
+    rounds were 17% of the consumers' stall samples); one item a program, the unmasked steps' loop
+    selects nothing (a mask's 32 predicated selects, or a branch around it, cost every step). The
+    descriptors are the launcher's own, built on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
@@ -597,6 +598,8 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     steps = [body for body in innermost_loops(sass(ptx, 90))
              if sum(f"GMMA.64x64x{k}" in x for x in body for k in (16, 32)) >= 4]
     assert len(steps) >= 2
+    if not in_turn:  # one item a program: each head's masked steps are a loop of their own, the others select nothing
+        assert any(not any("FSEL" in x for x in body) for body in steps)
     local = max(sum(bool(re.search(r"\b(STL|LDL)", x)) for x in body) for body in steps)
     assert local <= (12 if causal and exact_scores else 0)
     # Each consumer publishes its dS by transposing stores of e4m3 key pairs (_published_key_pairs).

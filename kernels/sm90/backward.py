@@ -627,30 +627,43 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(ready, kv_phase)
-    # Loops counted from 0, the ring's step carried: Triton 3.6 built a loop from first_step from 0 in
-    # the consumers (the ring's parities then split from the loader's, which hung the kernel).
-    i = first_step
-    for _ in range(GROUP):
-        for j in range(masked_steps):
-            dk_acc, dv_acc, ds_byte = _key_step(i, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte, key_rows, stages,
-                                                exchange, amax_smem, softmax_scale, CONSUMER, D, STAGES, EXACT,
-                                                ACCUMULATE_DQ, True)
-            i += 1
-        for j in range(unmasked_steps):
-            dk_acc, dv_acc, ds_byte = _key_step(i, 0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange,
-                                                amax_smem, softmax_scale, CONSUMER, D, STAGES, EXACT,
-                                                ACCUMULATE_DQ, False)
-            i += 1
+    # Loops counted from 0: Triton 3.6 built a loop from first_step from 0 in the consumers (the
+    # ring's parities then split from the loader's, which hung the kernel).
+    if IN_TURN:
+        # Short tiles taken in turn (program_count: unmasked batches): one loop over the steps, each
+        # masked where it needs it (without CAUSAL by a select on the keys past the sequence's end); the
+        # split loops' setup cost these tiles of a step or two more than their steps gained (4-10% on the
+        # cross batches, docs/perf-history.md v38).
+        m0 = m_lo
+        for j in range(tile.n_steps):
+            dk_acc, dv_acc, ds_byte = _key_step(first_step + j, m0, dk_acc, dv_acc, ds_byte, key_rows, stages,
+                                                exchange, amax_smem, softmax_scale, m0 < unmasked_from, CONSUMER,
+                                                D, STAGES, EXACT, ACCUMULATE_DQ, not CAUSAL)
+            m0 = gl.where(m0 + BLOCK_M < m_end, m0 + BLOCK_M, m_lo)  # the next head's first tile after the last
+    else:
+        i = first_step
+        for _ in range(GROUP):
+            for j in range(masked_steps):
+                dk_acc, dv_acc, ds_byte = _key_step(i, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte, key_rows,
+                                                    stages, exchange, amax_smem, softmax_scale, True, CONSUMER, D,
+                                                    STAGES, EXACT, ACCUMULATE_DQ, False)
+                i += 1
+            for j in range(unmasked_steps):
+                dk_acc, dv_acc, ds_byte = _key_step(i, 0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange,
+                                                    amax_smem, softmax_scale, False, CONSUMER, D, STAGES, EXACT,
+                                                    ACCUMULATE_DQ, False)
+                i += 1
     return dk_acc, dv_acc, ds_byte
 
 
 @gluon.jit
-def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale,
+def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale, masked,
               CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
-              ACCUMULATE_DQ: gl.constexpr, MASKED: gl.constexpr):
-    """Step i of a consumer (its query tile's first row ``m0``, read only MASKED): S^T and dP^T of its keys
-    (``key_rows``) against stage i % STAGES, P^T and dS^T (P^T masked where a key is not seen), dS
-    published for the dQ warpgroup, dV and dK accumulated; returns (dk_acc, dv_acc, ds_byte)."""
+              ACCUMULATE_DQ: gl.constexpr, KEYS_ONLY: gl.constexpr):
+    """Step i of a consumer: S^T and dP^T of its keys (``key_rows``) against stage i % STAGES, P^T and dS^T,
+    dS published for the dQ warpgroup, dV and dK accumulated; returns (dk_acc, dv_acc, ds_byte). Where
+    ``masked`` (a constant, or a tile's flag), P^T is 0 where a key is not seen by the query tile from
+    row ``m0`` on, or, KEYS_ONLY, only at the keys past the sequence's end."""
     KEYS: gl.constexpr = KEYS_PER_CONSUMER
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M)
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
@@ -680,14 +693,17 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
         p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
     else:
         p = gl.exp2(s * key_rows.score[:, None] * q_factor[None, :] - p_lse2[None, :])
-    if MASKED:
-        # One compare per element: the tile's column against the first one each key is visible to.
-        # A thread's columns are 8a + 2l + c (a, c: its registers, l: lane bits 0-1); compared as 8a + c
-        # against the threshold less 2l, the columns are constants and each row one register, not 16
-        # live column indices.
-        first_column = key_rows.first_seeing - m0
-        columns = gl.arange(0, BLOCK_M, layout=s_cols)
-        p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
+    if masked:
+        if KEYS_ONLY:
+            p = gl.where((key_rows.first_seeing < NO_QUERY)[:, None], p, 0.0)
+        else:
+            # One compare per element: the tile's column against the first one each key is visible to.
+            # A thread's columns are 8a + 2l + c (a, c: its registers, l: lane bits 0-1); compared as
+            # 8a + c against the threshold less 2l, the columns are constants and each row one
+            # register, not 16 live column indices.
+            first_column = key_rows.first_seeing - m0
+            columns = gl.arange(0, BLOCK_M, layout=s_cols)
+            p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
     q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
     if EXACT:
         q_dp = dp * q_factor[None, :] - q_delta[None, :]
