@@ -118,7 +118,7 @@ def _sequence_amax_kernel(
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
     channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized:
     non-negative floats order like their bits), NaN where a NaN or Inf was reduced (its bits, sign
-    cleared, above every finite value's: ``NONFINITE_BITS``)."""
+    cleared, above every finite value's)."""
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
@@ -245,17 +245,15 @@ def check_inputs(dout, q, k, v, out, lse, dlse, head_dims) -> None:
             raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
 
 
-# The bits of :func:`sequence_maxima` at or above which the input held NaN or Inf (fp32 +Inf; every NaN
-# with its sign cleared lies above, every finite magnitude below).
-NONFINITE_BITS = 0x7F800000
-# ``reuse``'s params (with the query heads per KV head) of Q's maxima kept by the forward's NaN/Inf check.
-QUERY_MAXIMA = "query sequence-axis maxima"
+# ``reuse``'s params (with ``normalize_tokens`` and ``group``) of a tensor's :func:`sequence_maxima` that an
+# earlier pass kept for :func:`quantize_for_backward` (the forward's NaN/Inf check of q).
+SEQUENCE_MAXIMA = "sequence-axis maxima"
 
 
 def sequence_maxima(x, offsets, *, normalize_tokens, group, tiles) -> torch.Tensor:
     """int32 ``[H / group, B, D]``: the fp32 bits of the largest ``|x|`` (over each token's own head_dim
     scale with ``normalize_tokens``) per (``group`` of consecutive heads, sequence, channel), from which the
-    sequence-axis copy takes its scales; at least ``NONFINITE_BITS`` where ``x`` holds NaN or Inf. One read
+    sequence-axis copy takes its scales; at or above fp32 Inf's bits where ``x`` holds NaN or Inf. One read
     of ``x`` ``[total, H, D]`` by the slots of ``tiles`` (``schedule.slot_tiles`` of ``offsets``)."""
     total, heads, dim = x.shape
     amax = torch.zeros(heads // group, offsets.numel() - 1, dim, dtype=torch.int32, device=x.device)
@@ -266,14 +264,15 @@ def sequence_maxima(x, offsets, *, normalize_tokens, group, tiles) -> torch.Tens
     return amax
 
 
-def checked_query_maxima(q: torch.Tensor, offsets_q: torch.Tensor, group: int) -> torch.Tensor:
+def checked_query_maxima(q: torch.Tensor, offsets_q: torch.Tensor, group: int, q_values=None) -> torch.Tensor:
     """fp32 ``[1]`` for ``mxfp8.checked_after``: NaN or Inf where ``q`` ``[total_q, Hq, D]`` holds one, else
-    finite, formed without waiting. Its read of ``q`` is the backward's first pass over Q: Q's sequence-axis
-    maxima (token-normalized, shared by each ``group`` of query heads), kept for the backward of the same,
-    unwritten ``q`` and ``offsets_q``, which then reads Q once instead of twice (:class:`Prepared`)."""
-    maxima = sequence_maxima(q.contiguous(), offsets_q, normalize_tokens=True, group=group,
-                             tiles=slot_tiles(offsets_q, q.shape[0]))
-    reuse.keep((q, offsets_q), (QUERY_MAXIMA, group), maxima)
+    finite, formed without waiting from ``q_values`` (``q.contiguous()``, where the caller made it). Its read
+    is the backward's first pass over Q: Q's sequence-axis maxima as :class:`Prepared` takes them
+    (token-normalized, shared by each ``group`` of query heads), kept for the backward of the same,
+    unwritten ``q`` and ``offsets_q``, which then reads Q once instead of twice (:func:`quantize_for_backward`)."""
+    values = q.contiguous() if q_values is None else q_values
+    maxima = sequence_maxima(values, offsets_q, normalize_tokens=True, group=group, tiles=slot_tiles(offsets_q, q.shape[0]))
+    reuse.keep((q, offsets_q), (SEQUENCE_MAXIMA, True, group), maxima)
     if maxima.numel() == 0:
         return torch.zeros(1, dtype=torch.float32, device=q.device)
     return maxima.max().view(torch.float32).reshape(1)
@@ -288,8 +287,7 @@ class _Quantized:
 
 
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None, rows=None,
-                          maxima=None):
+                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
@@ -307,9 +305,12 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's times Q's (``Q_DO_FACTOR``: only for e4m3
     copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
     token scales from ``rows``: quantize Q first).
-    ``maxima``: :func:`sequence_maxima` of ``x`` with this ``group`` and ``normalize_tokens``, where an earlier
-    pass formed them (:func:`checked_query_maxima`): then ``x`` is read once, not twice.
+    Where an earlier pass kept the sequence maxima of this same, unwritten ``x`` (with these ``offsets``,
+    ``normalize_tokens`` and ``group``: :func:`checked_query_maxima`), ``x`` is read once, not twice.
     """
+    kept_maxima = reuse.kept((x, offsets), (SEQUENCE_MAXIMA, normalize_tokens, group)) if sequence else None
+    x = x.contiguous()
+    out = None if out is None else out.contiguous()
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
@@ -330,7 +331,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     tiles = slot_tiles(offsets, total) if tiles is None else tiles
     grid = (tiles.shape[0] * heads,)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
-    amax = maxima
+    amax = kept_maxima
     if sequence and amax is None:
         amax = sequence_maxima(x, offsets, normalize_tokens=normalize_tokens, group=group, tiles=tiles)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
@@ -377,8 +378,6 @@ class Prepared:
         same_side = offsets_k is offsets_q and self.total_k == self.total_q
         self.tiles_k = self.tiles_q if same_side else slot_tiles(offsets_k, self.total_k)
         group = self.heads_q // self.heads_kv
-        query_maxima = reuse.kept((q, offsets_q), (QUERY_MAXIMA, group))  # left by the forward's check of q
-        dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
         # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
@@ -390,7 +389,7 @@ class Prepared:
                                     device=q.device)
         self.q, _, _ = quantize_for_backward(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
                                              group=group, order=query_order, feature_dtype=score_dtype,
-                                             tiles=self.tiles_q, rows=self.rows, maxima=query_maxima)
+                                             tiles=self.tiles_q, rows=self.rows)
         self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                              order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
         self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,

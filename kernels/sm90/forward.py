@@ -520,7 +520,7 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     else:
         q_operand = (q.contiguous(), None)
         if q_flag is not None:
-            q_flag.copy_(checked_query_maxima(q, offsets_q, q.shape[1] // k.shape[1]))
+            q_flag.copy_(checked_query_maxima(q, offsets_q, q.shape[1] // k.shape[1], q_operand[0]))
     kv_operands = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
                                      nonfinite=kv_flags)
     return checked_after(flags, ("q", "k", "v"), lambda: _launch(
