@@ -634,12 +634,12 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         # masked where it needs it (without CAUSAL by a select on the keys past the sequence's end); the
         # split loops' setup cost these tiles of a step or two more than their steps gained (4-10% on the
         # cross batches, docs/perf-history.md v38).
-        m0 = m_lo
+        head, m0 = tile.first_head, m_lo
         for j in range(tile.n_steps):
             dk_acc, dv_acc, ds_byte = _key_step(first_step + j, m0, dk_acc, dv_acc, ds_byte, key_rows, stages,
                                                 exchange, amax_smem, softmax_scale, m0 < unmasked_from, CONSUMER,
                                                 D, STAGES, EXACT, ACCUMULATE_DQ, not CAUSAL)
-            m0 = gl.where(m0 + BLOCK_M < m_end, m0 + BLOCK_M, m_lo)  # the next head's first tile after the last
+            head, m0 = _next_query_tile(head, m0, m_lo, m_end)
     else:
         i = first_step
         for _ in range(GROUP):
