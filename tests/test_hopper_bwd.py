@@ -21,7 +21,7 @@ from jagged_attn.kernels.common import layout
 from jagged_attn.kernels.portable import backward as portable_backward
 from jagged_attn.kernels.producers import backward_passes
 from jagged_attn.kernels.sm90 import backward as sm90_backward
-from jagged_attn import mx_format, ops
+from jagged_attn import mx_format
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
 from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.kernels.common.schedule import slot_tiles, tile_list
@@ -292,54 +292,6 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
             assert_data_identical(tensor, expected[name])
         else:
             assert torch.equal(tensor, expected[name]), f"{name} differs from the oracle"
-
-
-class _CountedLaunches:
-    """A Triton kernel's ``kernel[grid](...)`` that counts its launches and runs them."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
-def test_query_check_flags_nan_and_inf_wherever_they_sit():
-    """``checked_query_maxima`` (the forward's NaN/Inf check of q) is non-finite for NaN, +Inf or -Inf at
-    any token of any 64-token chunk of a slot, any head and channel, and finite for finite q."""
-    q, _, _, _, offsets_q, _ = make_inputs([1, 200, 64, 129], [1, 1, 1, 1], 4, 2, 64, dtype=torch.bfloat16)
-    assert math.isfinite(backward_passes.checked_query_maxima(q, offsets_q, 2).item())
-    for row in (0, 1, 30, 64, 65, 127, 128, 200, 201, 265, 393):
-        bad = q.clone()
-        bad[row, row % 4, row % 64] = (float("nan"), float("inf"), -float("inf"))[row % 3]
-        assert not math.isfinite(backward_passes.checked_query_maxima(bad, offsets_q, 2).item()), row
-
-
-def test_query_check_leaves_the_maxima_the_backward_would_fold(monkeypatch):
-    """The forward's NaN/Inf check of q (``checked_query_maxima``) forms each (KV group, sequence,
-    channel)'s largest value over its token's scale, as the backward's first pass over Q does;
-    ``Prepared`` on that same, unwritten q then skips that pass and writes the same Q copies."""
-    lengths_q, lengths_k = [3, 0, 1, 31, 32, 33, 127, 128, 129, 300], [5, 1, 0, 40, 5, 2, 7, 129, 64, 31]
-    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, 4, 2, 64, kind="heavy")
-    q, k, v, dout = (t.to(torch.bfloat16) for t in (q, k, v, dout))
-    out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    counted = _CountedLaunches(backward_passes._sequence_amax_kernel)
-    monkeypatch.setattr(backward_passes, "_sequence_amax_kernel", counted)
-    flag = backward_passes.checked_query_maxima(q, offsets_q, 2)
-    assert flag.shape == (1,) and flag.dtype == torch.float32 and counted.launches == 1
-    kept = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
-    assert counted.launches == 3  # K's and dO's: not Q's
-    own = backward_passes.Prepared(dout, q.clone(), k, v, out, lse, offsets_q, offsets_k)
-    assert counted.launches == 6  # another object than the checked q: its own pass
-    assert torch.equal(kept.q.sequence_scale, own.q.sequence_scale)
-    columns = written_columns(offsets_q)
-    assert_data_identical(kept.q.sequence[..., columns], own.q.sequence[..., columns])
-    expected = producer_oracle(q, offsets_q, group=2, normalize_tokens=True)["sequence_scale"]
-    assert torch.equal(own.q.sequence_scale, expected)
-    q.add_(1)  # written since the check: its maxima are not read again
-    backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k)
-    assert counted.launches == 9
 
 
 @pytest.mark.parametrize("order, key_slot", [(layout.PV_ORDER, layout.pv_key_slot),
@@ -871,30 +823,6 @@ def test_gpu_bf16_dq_sums_stay_within_their_rounding(monkeypatch, causal):
     (dq32, dk32, dv32), (dq16, dk16, dv16) = grads[torch.float32], grads[torch.bfloat16]
     assert torch.isfinite(dq16).all() and rel_l2(dq16, dq32) < 2e-2, f"dQ moved by {rel_l2(dq16, dq32):.3e}"
     assert torch.equal(dk16, dk32) and torch.equal(dv16, dv32)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_backward_reads_the_query_maxima_its_forward_check_left(monkeypatch, causal):
-    """Through the ops on bf16 inputs with the NaN/Inf check, backend ``hopper``'s forward reads q once for
-    the check and for Q's maxima, and its backward skips its own pass over Q; the gradients equal, bit for
-    bit, those of the same backward on a copy of q that no forward saw (deterministic: dQ without
-    reduce-adds)."""
-    lengths_q, lengths_k = [1, 31, 33, 128, 129, 700, 0], [64, 31, 200, 128, 300, 1000, 5]
-    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, 8, 2, 128, device="cuda",
-                                                      dtype=torch.bfloat16, kind="heavy")
-    counted = _CountedLaunches(backward_passes._sequence_amax_kernel)
-    monkeypatch.setattr(backward_passes, "_sequence_amax_kernel", counted)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ops.attention_op(*leaves, offsets_q, offsets_k, causal, 128**-0.5, "hopper", True, "sequence", True)
-    assert counted.launches == 1  # the check's
-    grads = torch.autograd.grad(out, leaves, dout)
-    assert counted.launches == 3  # K's and dO's
-    again = ops.attention_backward_op(dout, q.clone(), k, v, out.detach(), lse.detach(), offsets_q, offsets_k,
-                                      causal, 128**-0.5, "hopper", True)
-    assert counted.launches == 6
-    for name, got, want in zip("qkv", grads, again):
-        assert torch.equal(got, want), f"d{name} differs"
 
 
 @pytest.mark.gpu

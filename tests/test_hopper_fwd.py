@@ -21,7 +21,8 @@ from jagged_attn.kernels.producers import rebase
 from jagged_attn.kernels.sm90 import forward as sm90_forward
 from jagged_attn.mxfp8 import element_scale_bytes
 from jagged_attn.offsets import offsets_from_lengths, padded_rows_of_tokens, padded_seq_start, sequence_ids
-from compile_util import HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, ptxas_report
+from compile_util import (HOPPER_SHARED_BYTES, compile_kernel, compile_ptx, descriptor_type, innermost_loops,
+                          ptxas_report, sass)
 
 # Relative L2 of O against the reference on the same MXFP8 inputs. A one-pass kernel rounds each key
 # tile's P against the running row max, the reference against the final one: the same rule on another
@@ -561,39 +562,39 @@ def test_gluon_descriptors_build_on_the_host():
     assert [d.block_shape for d in descriptors] == [[64, dim], [block_n, dim], [dim, block_n]]
 
 
-@pytest.mark.parametrize("scores, dim, from_values", [("fp8", 128, False), ("bf16", 128, False), ("fp8", 64, False),
-                                                      ("fp8", 128, True), ("bf16", 128, True)])
-def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim, from_values):
+@pytest.mark.parametrize("scores, dim", [("fp8", 128), ("bf16", 128), ("fp8", 64)])
+def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     """The warp-specialized, persistent kernel: FP8 wgmma for P·V (P straight from registers) and S, or a bf16
-    wgmma for S with SCORES="bf16"; a loader warp and two consumer warpgroups (setmaxnreg); K and V^T
-    by TMA, Q too unless the consumers quantize it from its values (16-byte loads, no spills)."""
+    wgmma for S with SCORES="bf16"; a loader warp and three consumer warpgroups at 160 registers
+    (setmaxnreg); Q, K and V^T by TMA; each consumer's tiles that need no mask in a loop without it,
+    and no tile loop touches local memory."""
     config = sm90_forward.tile_config(dim, scores)
     qk = torch.float8_e4m3fn if scores == "fp8" else torch.bfloat16
     k_desc, vt_desc = (descriptor_type(d) for d in sm90_forward._kv_descriptors(
         torch.zeros(128, 2, dim, dtype=qk), torch.zeros(2, dim, 128, dtype=torch.float8_e4m3fn), config["BLOCK_N"]))
-    q_rebased = torch.zeros(64, 8, dim, dtype=qk)
-    q_source = "*bf16" if from_values else descriptor_type(sm90_forward._q_descriptor(q_rebased))
+    q_desc = descriptor_type(sm90_forward._q_descriptor(torch.zeros(64, 8, dim, dtype=qk)))
     signature = dict(
-        q_source=q_source, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
+        q_desc=q_desc, k_desc=k_desc, vt_desc=vt_desc, q_factor="*fp32", k_factor="*fp32",
         v_exponent="*i32", out="*bf16", lse="*fp32", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
         next_item="*i32", scale_log2="fp32", q_groups="i32", k_groups="i32", batch="i32", total_q="i32", total_k="i32",
     )
-    constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, Q_FROM_VALUES=from_values, **config)
+    constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=True, **config)
     signature.update({name: "constexpr" for name in constexprs})
     ptx, shared = compile_kernel("jagged_attn.kernels.sm90.forward", "_attention_forward_kernel", signature,
-                                 constexprs, arch=90, gluon=True, aligned=("q_source", "out"))
+                                 constexprs, arch=90, gluon=True, aligned=("out",))
     assert shared <= HOPPER_SHARED_BYTES, f"needs {shared} bytes of shared memory: would not launch"
     wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     fp8_mma = [line for line in wgmma if "e4m3.e4m3" in line]
     bf16_mma = [line for line in wgmma if "bf16.bf16" in line]
     assert fp8_mma and len(fp8_mma) + len(bf16_mma) == len(wgmma) and bool(bf16_mma) == (scores == "bf16")
-    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert sm90_forward.CONSUMERS == 3 and config["CONSUMER_REGS"] == 160
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{config['CONSUMER_REGS']};", ptx) and "setmaxnreg.dec" in ptx
     # Persistent: the loader warp takes each next item from the launch's counter (one lane's atomic add)
     assert len(re.findall(r"atom\.global\.[a-z_.]*add\.u32", ptx)) == 1
-    # K and V^T by the loader; rebased Q by each consumer, or Q's values by plain 16-byte loads
-    assert ptx.count("cp.async.bulk.tensor") >= (2 if from_values else 3)
-    if from_values:
-        assert ptx.count("ld.global.v4") >= 2 and "0 bytes spill stores" in ptxas_report(ptx, 90)
+    assert ptx.count("cp.async.bulk.tensor") >= 3
+    tile_loops = [body for body in innermost_loops(sass(ptx, 90)) if any("GMMA" in x for x in body)]
+    assert sum(not any("FSEL" in x for x in body) for body in tile_loops) == sm90_forward.CONSUMERS
+    assert not [x for body in tile_loops for x in body if re.search(r"\b(STL|LDL)", x)]
 
 
 @pytest.mark.gpu

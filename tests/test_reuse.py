@@ -55,21 +55,6 @@ def test_derived_rebuilds_when_a_source_is_another_object_of_the_same_id():
     assert reuse.derived((a, torch.zeros(3)), "p", lambda: 3) == 3
 
 
-def test_a_kept_by_product_is_read_back_only_on_the_same_unwritten_sources():
-    a, b = torch.zeros(3), torch.zeros(3)
-    assert reuse.kept((a, b), "by-product") is None
-    assert reuse.keep((a, b), "by-product", "value")
-    assert reuse.kept((a, b), "by-product") == "value"
-    assert reuse.kept((a, b), "other params") is None
-    assert reuse.kept((a, b.clone()), "by-product") is None
-    b += 1
-    assert reuse.kept((a, b), "by-product") is None
-    with torch.inference_mode():
-        c = torch.zeros(3)
-    assert not reuse.keep((c, b), "by-product", "value")
-    assert reuse.kept((c, b), "by-product") is None
-
-
 def test_kept_rebase_kv_follows_in_place_writes_to_mxfp8_data():
     offsets = _offsets([0, 1, 129, 40])
     k, v = torch.randn(170, 2, 64, device=DEVICE), torch.randn(170, 2, 64, device=DEVICE)

@@ -4,10 +4,7 @@ Some launch inputs depend only on tensors a caller passes again and again: the w
 tables built from a batch's offsets (every layer of a model shares one offsets tensor) and the
 Hopper forms of MXFP8 operands quantized once and attended many times (``producers/rebase.py``). :func:`derived`
 returns the value built for the same source tensors before, if each source is still the same object
-at the same version counter, else builds and keeps it. :func:`keep` and :func:`kept` do the same for a
-value one call forms as a by-product of a pass it runs anyway and a later call reads: the Hopper
-forward's NaN/Inf check of q is the backward's pass over Q for its sequence-axis maxima
-(``producers/backward_passes.py``).
+at the same version counter, else builds and keeps it.
 
 What this assumes is what the offsets check already assumes (``offsets.known_valid``): a write that
 torch's version counter does not see (through a raw pointer, a numpy array shared with
@@ -48,30 +45,17 @@ def _same(stamp: tuple, sources: tuple[torch.Tensor, ...]) -> bool:
         ref() is s and version == s._version for (ref, version), s in zip(stamp, sources))
 
 
-def keep(sources: tuple[torch.Tensor, ...], params: Hashable, value) -> bool:
-    """Keep ``value`` for ``params`` on ``sources`` as they are now, for :func:`kept` (and :func:`derived`) on
-    the same, unwritten sources; False where nothing can be kept. ``value`` obeys :func:`derived`'s rules."""
-    if not _keepable(sources):
-        return False
-    _kept.setdefault(sources[0], {})[params] = (_stamp(sources), value)
-    return True
-
-
-def kept(sources: tuple[torch.Tensor, ...], params: Hashable):
-    """The value kept for ``params`` on these same, unwritten ``sources``, or None."""
-    if not _keepable(sources):
-        return None
-    entry = _kept.get(sources[0], {}).get(params)
-    return entry[1] if entry is not None and _same(entry[0], sources) else None
-
-
 def derived(sources: tuple[torch.Tensor, ...], params: Hashable, build: Callable):
     """``build()``, or the value it returned for ``params`` on these same, unwritten ``sources``.
 
     ``build`` must depend on nothing but the sources' values and ``params``, and its value must not
     hold a reference to ``sources[0]`` (that would keep the entry alive forever)."""
-    value = kept(sources, params)
-    if value is None:
-        value = build()
-        keep(sources, params, value)
+    if not _keepable(sources):
+        return build()
+    entries = _kept.setdefault(sources[0], {})
+    kept = entries.get(params)
+    if kept is not None and _same(kept[0], sources):
+        return kept[1]
+    value = build()
+    entries[params] = (_stamp(sources), value)
     return value

@@ -25,10 +25,9 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
   maximum grows, never overflows, and tiles far below the maximum (whose contribution is as far below)
   are quantized on its grid.
 
-The producers (:func:`quantize_for_backward`, two passes per tensor: :func:`sequence_maxima`,
+The producers (:func:`quantize_for_backward`, two passes per tensor: :func:`_sequence_amax_kernel`,
 then :func:`_quantize_kernel`) write those copies; dO's pass also forms Delta and the LSE in log2
-units, and, for the Hopper kernel, the padded per-query vectors (``ROW_VECTORS`` of them). Q's first
-pass can run in the forward instead, as its NaN/Inf check of q (:func:`checked_query_maxima`).
+units, and, for the Hopper kernel, the padded per-query vectors (``ROW_VECTORS`` of them).
 :class:`Prepared` runs them for one backward call. :func:`finish_dq` turns the Hopper kernel's fp32
 dQ sums into dQ.
 """
@@ -41,7 +40,7 @@ import triton.language as tl
 
 from jagged_attn.offsets import max_length, padded_total
 
-from ..common import fp8, reuse
+from ..common import fp8
 from ..common.layout import (
     LOG2E,
     NATURAL_ORDER,
@@ -116,23 +115,16 @@ def _sequence_amax_kernel(
     GROUP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
-    channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized:
-    non-negative floats order like their bits), NaN where a NaN or Inf was reduced (its bits, sign
-    cleared, above every finite value's)."""
+    channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
+    non-negative floats order like their bits."""
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
     amax = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    # The GPU's max drops NaN; a sum of the values times 0 is NaN exactly where one is NaN or Inf. (The
-    # maxima taken on the bits, or by a NaN-keeping combine, compiled to 128 registers instead of 56.)
-    nonfinite = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
         x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
-        values = _sequence_axis_values(x, NORMALIZE_TOKENS)
-        amax = tl.maximum(amax, tl.max(tl.abs(values), axis=0))
-        nonfinite += tl.sum(values * 0.0, axis=0)
-    fold_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM),
-             (amax + nonfinite).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        amax = tl.maximum(amax, tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0))
+    fold_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -245,39 +237,6 @@ def check_inputs(dout, q, k, v, out, lse, dlse, head_dims) -> None:
             raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
 
 
-# ``reuse``'s params (with ``normalize_tokens`` and ``group``) of a tensor's :func:`sequence_maxima` that an
-# earlier pass kept for :func:`quantize_for_backward` (the forward's NaN/Inf check of q).
-SEQUENCE_MAXIMA = "sequence-axis maxima"
-
-
-def sequence_maxima(x, offsets, *, normalize_tokens, group, tiles) -> torch.Tensor:
-    """int32 ``[H / group, B, D]``: the fp32 bits of the largest ``|x|`` (over each token's own head_dim
-    scale with ``normalize_tokens``) per (``group`` of consecutive heads, sequence, channel), from which the
-    sequence-axis copy takes its scales; at or above fp32 Inf's bits where ``x`` holds NaN or Inf. One read
-    of ``x`` ``[total, H, D]`` by the slots of ``tiles`` (``schedule.slot_tiles`` of ``offsets``)."""
-    total, heads, dim = x.shape
-    amax = torch.zeros(heads // group, offsets.numel() - 1, dim, dtype=torch.int32, device=x.device)
-    if total:
-        _sequence_amax_kernel[(tiles.shape[0] * heads,)](
-            x, offsets, tiles, amax, total, offsets.numel() - 1, HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE,
-            NORMALIZE_TOKENS=normalize_tokens, GROUP=group, CHUNK=PRODUCER_CHUNK, num_warps=AMAX_WARPS)
-    return amax
-
-
-def checked_query_maxima(q: torch.Tensor, offsets_q: torch.Tensor, group: int, q_values=None) -> torch.Tensor:
-    """fp32 ``[1]`` for ``mxfp8.checked_after``: NaN or Inf where ``q`` ``[total_q, Hq, D]`` holds one, else
-    finite, formed without waiting from ``q_values`` (``q.contiguous()``, where the caller made it). Its read
-    is the backward's first pass over Q: Q's sequence-axis maxima as :class:`Prepared` takes them
-    (token-normalized, shared by each ``group`` of query heads), kept for the backward of the same,
-    unwritten ``q`` and ``offsets_q``, which then reads Q once instead of twice (:func:`quantize_for_backward`)."""
-    values = q.contiguous() if q_values is None else q_values
-    maxima = sequence_maxima(values, offsets_q, normalize_tokens=True, group=group, tiles=slot_tiles(offsets_q, q.shape[0]))
-    reuse.keep((q, offsets_q), (SEQUENCE_MAXIMA, True, group), maxima)
-    if maxima.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=q.device)
-    return maxima.max().view(torch.float32).reshape(1)
-
-
 class _Quantized:
     """What the producer wrote for one tensor (unrequested fields stay None)."""
 
@@ -305,12 +264,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's times Q's (``Q_DO_FACTOR``: only for e4m3
     copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
     token scales from ``rows``: quantize Q first).
-    Where an earlier pass kept the sequence maxima of this same, unwritten ``x`` (with these ``offsets``,
-    ``normalize_tokens`` and ``group``: :func:`checked_query_maxima`), ``x`` is read once, not twice.
     """
-    kept_maxima = reuse.kept((x, offsets), (SEQUENCE_MAXIMA, normalize_tokens, group)) if sequence else None
-    x = x.contiguous()
-    out = None if out is None else out.contiguous()
     total, heads, dim = x.shape
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
@@ -331,9 +285,10 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     tiles = slot_tiles(offsets, total) if tiles is None else tiles
     grid = (tiles.shape[0] * heads,)
     shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
-    amax = kept_maxima
-    if sequence and amax is None:
-        amax = sequence_maxima(x, offsets, normalize_tokens=normalize_tokens, group=group, tiles=tiles)
+    amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
+    if sequence:
+        _sequence_amax_kernel[grid](x, offsets, tiles, amax, total, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
+                                    num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
     # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (reading
     # Q's token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's token scales.
@@ -377,9 +332,10 @@ class Prepared:
         self.tiles_q = slot_tiles(offsets_q, self.total_q)
         same_side = offsets_k is offsets_q and self.total_k == self.total_q
         self.tiles_k = self.tiles_q if same_side else slot_tiles(offsets_k, self.total_k)
-        group = self.heads_q // self.heads_kv
+        dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
         lse = lse.to(torch.float32).contiguous()
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+        group = self.heads_q // self.heads_kv
         # exact_scores: the feature copies of Q and K (read only for S) and of V and dO (read only for dP)
         # as bf16 holding their MX values, for the Hopper kernel's exact S and dP.
         score_dtype = torch.bfloat16 if exact_scores else torch.float8_e4m3fn

@@ -75,7 +75,7 @@ def quantize_on_bytes(x, byte, INTERPRET: tl.constexpr):
 @triton.jit
 def quantized_feature_blocks(x, FLOOR: tl.constexpr, INTERPRET: tl.constexpr):
     """High-precision ``x [rows, D / 32, 32]`` (fp32; each row's 32-channel blocks) as MX blocks: (fp32 e4m3
-    values, int32 scale bytes ``[rows, D / 32]``). Any register layout: the Gluon forward calls it too."""
+    values, int32 scale bytes ``[rows, D / 32]``)."""
     byte, _ = block_scale_bytes(x, (2,), FLOOR, INTERPRET)
     return quantize_on_bytes(x, byte[:, :, None], INTERPRET), byte
 

@@ -1,10 +1,13 @@
 """Varlen MXFP8 attention forward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
 
-A work item is a 128-row query tile of one head: a loader warp streams its K and V^T tiles with
-TMA into a ring of shared-memory stages, and two consumer warpgroups (64 query rows each) run
-S = Q K^T, the online softmax and O += P V on them. The consumers share every K/V tile (half the
-shared-memory traffic of two 64-row programs) and, not being tied by block-wide barriers, one's
-softmax runs while the other's MMAs do. The launch is persistent: one program per SM, each taking
+A work item is a 192-row query tile of one head: a loader warp streams its K and V^T tiles with
+TMA into a ring of shared-memory stages, and three consumer warpgroups (64 query rows each) run
+S = Q K^T, the online softmax and O += P V on them. The consumers share every K/V tile (a third of
+the shared-memory traffic of 64-row programs) and, not being tied by block-wide barriers, run their
+chains side by side: each consumer's chain (S, its wait, the softmax, P·V, its wait, the rescale) is
+latency-bound, and a third chain keeps the tensor cores and the exponentials busier while the other
+two wait, which FlashAttention-3's ping-pong of two consumers did not (docs/perf-history.md). Three
+consumers fit 160 registers each beside the loader's 24. The launch is persistent: one program per SM, each taking
 items until none is left, the next one from a launch-wide counter (the loader warp takes it and
 hands it to the consumers), so the ring runs on from item to item and the work list's dearest items
 go first, each to the program that is free first.
@@ -12,10 +15,10 @@ go first, each to the program that is free first.
 Operands are the portable forward's (``producers.rebase``), Q rebased like K but per token: with
 SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they are their
 exact MX values in bf16 (S is exact up to fp32 sums, at the bf16 MMA rate). V^T is e4m3
-``[Hkv, D, padded_total]`` on one exponent per (sequence, head, channel). From MXFP8 inputs Q comes
-rebased beforehand (kept across calls); from high-precision inputs each consumer quantizes and
-rebases its own 64 rows as it loads them: a program reads its Q rows once, so a pass that wrote
-them rebased would only add a write and a read of Q. The softmax follows
+``[Hkv, D, padded_total]`` on one exponent per (sequence, head, channel). Q is rebased beforehand,
+from MXFP8 inputs once and kept across calls, from high-precision inputs by a pass: consumers that
+quantized their own Q rows from the values (one read of Q, no write) measured slower at 160
+registers than the pass and the TMA load of its result. The softmax follows
 ``portable.forward``'s: exp2 domain, online row maximum, P on the static 2^8 scale.
 """
 
@@ -37,40 +40,25 @@ from jagged_attn.mxfp8 import checked_after
 from ..common import bounds, fp8, layout, persistent
 from ..common.layout import FINITE_FLOOR, SCORE_MODES
 from . import HEAD_DIMS
-from ..producers.backward_passes import checked_query_maxima
-from ..producers.rebase import (
-    block_values,
-    kept_rebase_feature,
-    kept_rebase_kv,
-    onto_row_bytes,
-    quantize_rebase_feature,
-    quantize_rebase_kv,
-    quantized_feature_blocks,
-)
+from ..producers.rebase import kept_rebase_feature, kept_rebase_kv, quantize_rebase_feature, quantize_rebase_kv
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
-CONSUMERS = gl.constexpr(2)
+CONSUMERS = gl.constexpr(3)  # 3 x 160 registers + the loader's 24: the register file of a program
 BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
     """KV tile, pipeline depth (measured: 2 stages about as fast), the registers of the loader
-    warp and the consumer warpgroups (``setmaxnreg``), and whether the softmax's row reductions run
+    warp and of each consumer warpgroup (``setmaxnreg``: with :data:`CONSUMERS` of them, the register
+    file of a program), and whether the softmax's row reductions run
     as trees (``_row_reduce``: measured faster at head_dim 128, slower at 64)."""
     if scores not in SCORE_MODES or head_dim not in HEAD_DIMS:
         raise ValueError(f"no configuration for scores={scores!r}, head_dim={head_dim}")
     stages = 4 if scores == "fp8" else 3
-    return dict(BLOCK_N=128, STAGES=stages, SCORES=scores, LOADER_REGS=24, CONSUMER_REGS=240,
+    return dict(BLOCK_N=128, STAGES=stages, SCORES=scores, LOADER_REGS=24, CONSUMER_REGS=160,
                 ROW_TREE=head_dim == 128)
-
-
-def quantizes_q_in_kernel(head_dim: int) -> bool:
-    """Whether a forward from high-precision values leaves Q's quantization to the consumers, which read
-    their Q rows once anyway, rather than to a pass: measured faster at head_dim 128; at 64 the consumers'
-    quantizing prologue costs more than the pass's write and the kernel's read of rebased Q save."""
-    return head_dim == 128
 
 
 @aggregate
@@ -245,45 +233,11 @@ def _as_pv_operand(p, p_layout: gl.constexpr):
     return gl.convert_layout(keys, p_layout, assert_trivial=True)
 
 
-@constexpr_function
-def _value_rows_layout(head_dim):
-    """Registers of a consumer's ``[CONSUMER_ROWS, head_dim]`` Q tile as it quantizes it: each thread
-    holds whole 32-channel MX blocks (block maxima without shuffles), four warps over the rows."""
-    return gl.BlockedLayout([1, 32], [32 // (head_dim // 32), head_dim // 32], [4, 1], [1, 0])
-
-
 @gluon.jit
-def _stage_quantized_q(q_values, q_smem, q_start, row0, len_q, head,
-                       HEADS_Q: gl.constexpr, D: gl.constexpr, EXACT: gl.constexpr):
-    """This consumer's Q rows read as high-precision values, quantized and rebased as
-    ``rebase.quantize_rebase_feature(group=1)`` does it (rceil MX blocks moved onto each token's largest
-    block exponent; EXACT: the MX values in bf16), stored into ``q_smem`` for the S wgmmas; returns the
-    token factors ``[CONSUMER_ROWS]`` (1 with EXACT). Rows past ``len_q`` are quantized zeros."""
-    ROWS: gl.constexpr = CONSUMER_ROWS
-    values_layout: gl.constexpr = _value_rows_layout(D)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, values_layout))
-    channels = gl.arange(0, D, layout=gl.SliceLayout(0, values_layout))
-    where = ((q_start + rows).to(gl.int64) * HEADS_Q + head)[:, None] * D + channels[None, :]
-    x = gl.load(q_values + where, mask=(rows < len_q)[:, None], other=0.0).to(gl.float32)
-    blocks, byte = quantized_feature_blocks(x.reshape([ROWS, D // 32, 32]), False, False)
-    if EXACT:
-        q = block_values(blocks, byte).reshape([ROWS, D]).to(gl.bfloat16)
-        factor = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, values_layout))
-    else:
-        token_byte = gl.max(byte, axis=1)
-        q = onto_row_bytes(blocks, byte, token_byte, False).reshape([ROWS, D])
-        factor = gl.convert_layout(layout.scale_value(token_byte), gl.SliceLayout(1, values_layout))
-    q_smem.store(q)
-    fence_async_shared()
-    gl.thread_barrier()
-    return factor
-
-
-@gluon.jit
-def _consume(items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2,
+def _consume(items, ring, q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv, scale_log2,
              batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
-             ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
+             ROW_TREE: gl.constexpr):
     """One consumer warpgroup over the items the loader hands it (``persistent.ItemRing``), each by
     :func:`_consume_item`, from the KV tile the loader put first on the ring for it."""
     n_items = items.slots * HEADS_Q
@@ -291,19 +245,19 @@ def _consume(items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_
     item, first_tile = persistent.take(ring, k, 4)
     while item < n_items:
         tile = _query_tile(items, item, HEADS_Q, HEADS_KV, D, BLOCK_N, CAUSAL)
-        _consume_item(tile, first_tile, k, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv,
-                      scale_log2, batch, CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE,
-                      Q_FROM_VALUES)
+        _consume_item(tile, first_tile, k, q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem.index(CONSUMER),
+                      q_ready.index(CONSUMER), kv, scale_log2, batch, CONSUMER, HEADS_Q, D, BLOCK_N, STAGES, EXACT,
+                      CAUSAL, ROW_TREE)
         persistent.release(ring, k)
         k += 1
         item, first_tile = persistent.take(ring, k, 4)
 
 
 @gluon.jit
-def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem,
-                  q_ready, kv, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
+def _consume_item(tile, first_tile, items_done, q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready,
+                  kv, scale_log2, batch, CONSUMER: gl.constexpr, HEADS_Q: gl.constexpr, D: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr, CAUSAL: gl.constexpr,
-                  ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr):
+                  ROW_TREE: gl.constexpr):
     """One consumer warpgroup on the program's ``items_done``-th item: its query rows against the item's
     KV tiles (the ring's tiles from ``first_tile`` on), then its rows of O and LSE. Each tile's MMAs are
     waited for at once: FlashAttention-3's ping-pong of the two consumers and its intra-warpgroup
@@ -316,9 +270,7 @@ def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_
     ROWS: gl.constexpr = CONSUMER_ROWS
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_N, 16 if EXACT else 8)  # bf16 or e4m3 operands
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
 
@@ -327,14 +279,10 @@ def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_
     in_seq = rows < len_q
     # The previous item's O went out through q_smem: every warp has read it before Q overwrites it.
     gl.thread_barrier()
-    if Q_FROM_VALUES:
-        q_factors = _stage_quantized_q(q_source, q_smem, q_start, row0, len_q, head, HEADS_Q, D, EXACT)
-        row_scale = gl.convert_layout(q_factors, s_rows) * scale_log2
-    else:
-        fence_async_shared()
-        mbarrier.expect(q_ready, q_source.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_source, [(q_start + row0).to(gl.int32), q_col], q_ready, q_smem)
-        row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
+    fence_async_shared()
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [(q_start + row0).to(gl.int32), q_col], q_ready, q_smem)
+    row_scale = gl.load(q_factor + q_factor_row + rows, mask=in_seq, other=1.0) * scale_log2
     diagonal = bounds.diagonal(len_q, len_k)
     # Tiles from the first one some row of this consumer does not fully see need the mask.
     if CAUSAL:
@@ -348,35 +296,21 @@ def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_
     my_tiles = gl.where(row0 < len_q, gl.cdiv(my_end, BLOCK_N), 0).to(gl.int32)
 
     acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
-    o_zero = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
     row_max = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=s_rows)
-    if not Q_FROM_VALUES:
-        mbarrier.wait(q_ready, items_done & 1)
-    # Counted from 0, not as range(first_tile, ...): Triton 3.6 builds such a loop from 0 in a partition
-    # (sm90.backward met it), which would split the ring's parities from the loader's.
-    for i in range(my_tiles):
-        t = first_tile + i
-        stage = t % STAGES
-        phase = (t // STAGES) & 1
-        mbarrier.wait(kv.k_ready.index(stage), phase)
-        k_tile_factor = gl.load(k_factor + k_factor_row + i)
-        k_view = kv.k.index(stage).permute((1, 0))
-        s = warpgroup_mma(q_smem, k_view, s_zero, use_acc=False, is_async=True)
-        s, _, _ = warpgroup_mma_wait(0, deps=(s, q_smem, k_view))
-        p, alpha, row_max, row_sum = _scores_to_probabilities(
-            s, row_scale, k_tile_factor, row_max, row_sum, i * BLOCK_N, last_col, i >= first_masked, BLOCK_N, s_rows,
-            s_cols, ROW_TREE)
-        p8 = _as_pv_operand(p, p_layout)
-        mbarrier.wait(kv.v_ready.index(stage), phase)
-        v_view = kv.v.index(stage).permute((1, 0))
-        # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
-        # alignment, which would bias small late tiles towards zero against a large running O.
-        o_tile = warpgroup_mma(p8, v_view, o_zero, use_acc=False, is_async=True)
-        o_tile, _ = warpgroup_mma_wait(0, deps=(o_tile, v_view))
-        mbarrier.arrive(kv.empty.index(stage), count=1)
-        acc = gl.fma(acc, gl.convert_layout(alpha, o_rows)[:, None], o_tile)
+    mbarrier.wait(q_ready, items_done & 1)
+    # The tiles before first_masked as a loop without the mask, the rest with it: a branch around the
+    # mask inside one loop splits the tile's scheduling (measured on the backward's steps).
+    # Loops counted from 0, not as range(first_tile, ...): Triton 3.6 builds such a loop from 0 in a
+    # partition (sm90.backward met it), which would split the ring's parities from the loader's.
+    unmasked_tiles = gl.minimum(first_masked, my_tiles)
+    for i in range(unmasked_tiles):
+        acc, row_max, row_sum = _kv_step(first_tile + i, i, acc, row_max, row_sum, q_smem, kv, k_factor + k_factor_row,
+                                         row_scale, last_col, BLOCK_N, STAGES, EXACT, ROW_TREE, False)
+    for j in range(my_tiles - unmasked_tiles):
+        i = unmasked_tiles + j
+        acc, row_max, row_sum = _kv_step(first_tile + i, i, acc, row_max, row_sum, q_smem, kv, k_factor + k_factor_row,
+                                         row_scale, last_col, BLOCK_N, STAGES, EXACT, ROW_TREE, True)
     # Tiles this consumer's rows never see (causal): released all the same.
     for i in range(my_tiles, n_tiles):
         t = first_tile + i
@@ -396,26 +330,58 @@ def _consume_item(tile, first_tile, items_done, q_source, q_factor, k_factor, v_
     gl.store(lse + (q_start + rows) * HEADS_Q + head, gl.where(seen, log_sum, -float("inf")), mask=in_seq)
 
 
+@gluon.jit
+def _kv_step(t, i, acc, row_max, row_sum, q_smem, kv, k_factors, row_scale, last_col, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, EXACT: gl.constexpr, ROW_TREE: gl.constexpr, MASKED: gl.constexpr):
+    """A consumer's i-th KV tile of its item, ring tile t: S, the online softmax (MASKED: columns past each
+    row's last seen key out), O += P V; returns (acc, row_max, row_sum)."""
+    ROWS: gl.constexpr = CONSUMER_ROWS
+    D: gl.constexpr = acc.shape[1]
+    s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_N, 16 if EXACT else 8)  # bf16 or e4m3 operands
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    stage = t % STAGES
+    phase = (t // STAGES) & 1
+    mbarrier.wait(kv.k_ready.index(stage), phase)
+    k_tile_factor = gl.load(k_factors + i)
+    k_view = kv.k.index(stage).permute((1, 0))
+    s = warpgroup_mma(q_smem, k_view, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                      is_async=True)
+    s, _, _ = warpgroup_mma_wait(0, deps=(s, q_smem, k_view))
+    p, alpha, row_max, row_sum = _scores_to_probabilities(
+        s, row_scale, k_tile_factor, row_max, row_sum, i * BLOCK_N, last_col, MASKED, BLOCK_N, s_rows, s_cols,
+        ROW_TREE)
+    p8 = _as_pv_operand(p, p_layout)
+    mbarrier.wait(kv.v_ready.index(stage), phase)
+    v_view = kv.v.index(stage).permute((1, 0))
+    # A fresh accumulator per tile: FP8 wgmma adds into its accumulator with truncated
+    # alignment, which would bias small late tiles towards zero against a large running O.
+    o_tile = warpgroup_mma(p8, v_view, gl.zeros([ROWS, D], gl.float32, layout=o_layout), use_acc=False,
+                           is_async=True)
+    o_tile, _ = warpgroup_mma_wait(0, deps=(o_tile, v_view))
+    mbarrier.arrive(kv.empty.index(stage), count=1)
+    return gl.fma(acc, gl.convert_layout(alpha, o_rows)[:, None], o_tile), row_max, row_sum
+
+
 # WorkItems holds these as tensors: a value of 1 must not become a constexpr.
 @gluon.jit(do_not_specialize=("slots", "total_q", "total_k", "q_groups", "k_groups"))
 def _attention_forward_kernel(
-    q_source, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k,
+    q_desc, k_desc, vt_desc, q_factor, k_factor, v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k,
     work, slots, next_item, scale_log2, q_groups, k_groups, batch,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SCORES: gl.constexpr, CAUSAL: gl.constexpr, LOADER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr, Q_FROM_VALUES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, ROW_TREE: gl.constexpr,
 ):
     """At most one program per SM, each taking work items until none is left (:func:`_load_kv`) with its
     shared memory, barriers and KV ring set up once, so an item's first KV tiles load under the
     previous item's last tiles and its O stores (a program per item paid each start and finish in
     full: many short items, as ragged and cross batches have, spent much of their time so).
-    ``q_source``: Q's TMA descriptor (rebased Q, token factors in ``q_factor``) or, with Q_FROM_VALUES,
-    Q's high-precision values ``[total_q, HEADS_Q, D]``, which the consumers quantize themselves."""
+    ``q_desc``: rebased Q's TMA descriptor, its token factors in ``q_factor``."""
     EXACT: gl.constexpr = SCORES == "bf16"
-    q_dtype: gl.constexpr = gl.bfloat16 if EXACT else gl.float8e4nv
-    # The layout of Q's TMA descriptor (``tma.operand_descriptor``) when it is loaded rebased.
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, D], q_dtype)
-    q_smem = gl.allocate_shared_memory(q_dtype, [CONSUMERS, CONSUMER_ROWS, D], q_layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, CONSUMER_ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, D, BLOCK_N], vt_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -435,16 +401,16 @@ def _attention_forward_kernel(
     items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k, q_groups, k_groups)
     gl.warp_specialize(
         [
-            (_consume, (items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(0),
-                        q_ready.index(0), kv, scale_log2, batch, 0, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL, ROW_TREE, Q_FROM_VALUES)),
-            (_consume, (items, ring, q_source, q_factor, k_factor, v_exponent, out, lse, q_smem.index(1),
-                        q_ready.index(1), kv, scale_log2, batch, 1, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT,
-                        CAUSAL, ROW_TREE, Q_FROM_VALUES)),
+            (_consume, (items, ring, q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv,
+                        scale_log2, batch, 0, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+            (_consume, (items, ring, q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv,
+                        scale_log2, batch, 1, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
+            (_consume, (items, ring, q_desc, q_factor, k_factor, v_exponent, out, lse, q_smem, q_ready, kv,
+                        scale_log2, batch, 2, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, EXACT, CAUSAL, ROW_TREE)),
             (_load_kv, (items, ring, k_desc, vt_desc, kv, HEADS_Q, HEADS_KV, D, BLOCK_N, STAGES, CAUSAL)),
         ],
-        [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
+        [4, 4, 1],
+        [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
     )
 
 
@@ -461,33 +427,24 @@ def _kv_descriptors(k_rebased: torch.Tensor, vt: torch.Tensor, block_n: int):
             operand_descriptor(vt.view(heads_kv * dim, vt.shape[2]), [dim, block_n]))
 
 
-def _launch(q, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal, softmax_scale,
-            out_dtype, config, from_values):
-    """The kernel on rebased K and V^T and on Q rebased (``q_factor`` its token factors) or, ``from_values``,
-    Q's high-precision values."""
-    total_q, heads_q, dim = q.shape
-    total_k, heads_kv, _ = k_rebased.shape
-    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q.device)
-    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q.device)
-    work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
-    if work.shape[0]:
-        q_factor = k_factor if from_values else q_factor  # any fp32 tensor: not read from values
-        programs = persistent.program_count(work.shape[0] * heads_q, q.device)
-        _attention_forward_kernel[(programs,)](
-            q if from_values else _q_descriptor(q), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor,
-            k_factor, v_exponent, out, lse, offsets_q, offsets_k,
-            total_q, total_k, work, work.shape[0], persistent.counter(q.device), softmax_scale * layout.LOG2E.value,
-            q_factor.shape[1], k_factor.shape[1], offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim,
-            CAUSAL=causal, Q_FROM_VALUES=from_values, num_warps=4, **config,
-        )
-    return out, lse
-
-
 def forward_rebased(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, *, causal,
                     softmax_scale, out_dtype, config):
     """The kernel on rebased Q, K (``rebase_feature``: per token / per ``BLOCK_N`` tile) and V^T."""
-    return _launch(q_rebased, q_factor, k_rebased, k_factor, vt, v_exponent, offsets_q, offsets_k, causal=causal,
-                   softmax_scale=softmax_scale, out_dtype=out_dtype, config=config, from_values=False)
+    total_q, heads_q, dim = q_rebased.shape
+    total_k, heads_kv, _ = k_rebased.shape
+    out = torch.empty(total_q, heads_q, dim, dtype=out_dtype, device=q_rebased.device)
+    lse = torch.empty(total_q, heads_q, dtype=torch.float32, device=q_rebased.device)
+    work = work_list(offsets_q, offsets_k, total_q, total_k, BLOCK_M, causal=causal)
+    if work.shape[0]:
+        programs = persistent.program_count(work.shape[0] * heads_q, q_rebased.device)
+        _attention_forward_kernel[(programs,)](
+            _q_descriptor(q_rebased), *_kv_descriptors(k_rebased, vt, config["BLOCK_N"]), q_factor, k_factor,
+            v_exponent, out, lse, offsets_q, offsets_k, total_q, total_k, work, work.shape[0],
+            persistent.counter(q_rebased.device), softmax_scale * layout.LOG2E.value, q_factor.shape[1],
+            k_factor.shape[1], offsets_q.numel() - 1, HEADS_Q=heads_q, HEADS_KV=heads_kv, D=dim, CAUSAL=causal,
+            num_warps=4, **config,
+        )
+    return out, lse
 
 
 def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=torch.bfloat16, scores="fp8"):
@@ -505,24 +462,15 @@ def attention_forward(q, k, v, *, causal: bool, softmax_scale: float, out_dtype=
 def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None,
                          scores="fp8", check_finite=False):
     """Like :func:`attention_forward` for bf16/fp16 q, k, v (``portable.forward.attention_forward_hp``'s
-    arguments): K and V quantized and rebased in one pass, Q by the kernel's consumers as they load it
-    (``quantizes_q_in_kernel``) or by a pass. With ``check_finite`` the passes flag NaN/Inf in what they
-    read, and q, when the consumers quantize it unchecked, by a read of its own: the backward's first
-    pass over Q (``backward_passes.checked_query_maxima``), whose maxima the backward of the same q
-    then takes instead of reading Q for them."""
+    arguments): Q quantized and rebased by one pass, K and V by another. With ``check_finite`` the passes
+    flag NaN/Inf in what they read (``mxfp8.checked_after``)."""
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
-    in_kernel = quantizes_q_in_kernel(q.shape[-1])
     flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v
     q_flag, kv_flags = (None, None) if flags is None else (flags[:1], flags[1:])
-    if not in_kernel:
-        q_operand = quantize_rebase_feature(q, offsets_q, group=1, exact=exact, nonfinite=q_flag)
-    else:
-        q_operand = (q.contiguous(), None)
-        if q_flag is not None:
-            q_flag.copy_(checked_query_maxima(q, offsets_q, q.shape[1] // k.shape[1], q_operand[0]))
+    q_operand = quantize_rebase_feature(q, offsets_q, group=1, exact=exact, nonfinite=q_flag)
     kv_operands = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
                                      nonfinite=kv_flags)
-    return checked_after(flags, ("q", "k", "v"), lambda: _launch(
+    return checked_after(flags, ("q", "k", "v"), lambda: forward_rebased(
         *q_operand, *kv_operands, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-        out_dtype=q.dtype if out_dtype is None else out_dtype, config=config, from_values=in_kernel))
+        out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))
