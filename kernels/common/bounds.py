@@ -2,7 +2,7 @@
 
 Causal attention is bottom-right aligned (``docs/DESIGN.md``): in a sequence of ``len_q`` queries
 and ``len_k`` keys, query ``i`` sees key ``j`` when ``j <= i + diagonal``, ``diagonal = len_k - len_q``.
-The kernels ask four questions of it (Triton functions; the Gluon kernels call them too, on scalars
+The kernels ask five questions of it (Triton functions; the Gluon kernels call them too, on scalars
 or on index tensors of any layout). The reference backend states the same rule in torch, on its own.
 """
 
@@ -41,3 +41,11 @@ def keys_seen_below(query_end, len_k, diagonal):
 def first_query_seeing(key, diagonal):
     """The first query that sees ``key`` (causal); every later query sees it too."""
     return tl.maximum(key - diagonal, 0)
+
+
+@triton.jit
+def first_query_seeing_all(key_end, len_k, query_end, diagonal):
+    """The first query from which every later one, up to ``query_end``, sees every key below
+    ``key_end`` (causal; a ``diagonal`` of ``len_k`` makes every query see every key): ``query_end``
+    when those keys run past the sequence's ``len_k``, since no query sees a key that is not there."""
+    return tl.where(key_end > len_k, query_end, tl.minimum(first_query_seeing(key_end - 1, diagonal), query_end))

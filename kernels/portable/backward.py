@@ -250,12 +250,10 @@ def _dkdv_kernel(
     m_end = tl.cdiv(len_q, BLOCK_M) * BLOCK_M
     if CAUSAL:
         m_lo = bounds.first_query_seeing(n_start, diagonal) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal), BLOCK_M) * BLOCK_M
     else:
         m_lo = 0
-        m_full = 0
-    m_full = tl.where(n_start + BLOCK_N > len_k, m_end, m_full)  # a partial key tile masks everywhere
-    m_full = tl.minimum(tl.maximum(m_full, m_lo), m_end)
+    m_full = bounds.first_query_seeing_all(n_start + BLOCK_N, len_k, m_end, diagonal if CAUSAL else len_k)
+    m_full = tl.maximum(tl.cdiv(m_full, BLOCK_M) * BLOCK_M, m_lo)
 
     dk_acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)

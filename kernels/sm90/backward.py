@@ -617,10 +617,7 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     diagonal = bounds.diagonal(len_q, len_k) if CAUSAL else len_k
     first_seeing = gl.where(keys < len_k, bounds.first_query_seeing(keys, diagonal), NO_QUERY)
     key_rows = KeyRows(k_smem, v_smem, score_factor, v_factor, ds_factor, first_seeing)
-    if n_start + BLOCK_N > len_k:
-        unmasked_from = m_end
-    else:
-        unmasked_from = gl.minimum(bounds.first_query_seeing(n_start + BLOCK_N - 1, diagonal), m_end)
+    unmasked_from = bounds.first_query_seeing_all(n_start + BLOCK_N, len_k, m_end, diagonal)
     masked_steps = gl.maximum(gl.cdiv(unmasked_from - m_lo, BLOCK_M), 0)
     unmasked_steps = (m_end - m_lo) // BLOCK_M - masked_steps
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)

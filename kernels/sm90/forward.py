@@ -1,16 +1,15 @@
 """Varlen MXFP8 attention forward for Hopper in Gluon, warp-specialized as in FlashAttention-3.
 
-A work item is a 192-row query tile of one head: a loader warp streams its K and V^T tiles with
-TMA into a ring of shared-memory stages, and three consumer warpgroups (64 query rows each) run
-S = Q K^T, the online softmax and O += P V on them. The consumers share every K/V tile (a third of
-the shared-memory traffic of 64-row programs) and, not being tied by block-wide barriers, run their
-chains side by side: each consumer's chain (S, its wait, the softmax, P·V, its wait, the rescale) is
-latency-bound, and a third chain keeps the tensor cores and the exponentials busier while the other
-two wait, which FlashAttention-3's ping-pong of two consumers did not (docs/perf-history.md). Three
-consumers fit 160 registers each beside the loader's 24. The launch is persistent: one program per SM, each taking
-items until none is left, the next one from a launch-wide counter (the loader warp takes it and
-hands it to the consumers), so the ring runs on from item to item and the work list's dearest items
-go first, each to the program that is free first.
+A work item is a 192-row query tile of one head: a loader warp streams its K and V^T tiles with TMA into
+a ring of shared-memory stages, and three consumer warpgroups (64 query rows each) run S = Q K^T, the
+online softmax and O += P V on them. The consumers share every K/V tile (a third of the shared-memory
+traffic of 64-row programs) and, not being tied by block-wide barriers, run their chains side by side:
+each consumer's chain (S, its wait, the softmax, P·V, its wait, the rescale) is latency-bound, and a
+third chain keeps the tensor cores and the exponentials busier while the other two wait, which
+FlashAttention-3's ping-pong of two consumers did not (docs/perf-history.md). The launch is persistent:
+one program per SM, each taking items until none is left, the next one from a launch-wide counter (the
+loader warp takes it and hands it to the consumers), so the ring runs on from item to item and the work
+list's dearest items go first, each to the program that is free first.
 
 Operands are the portable forward's (``producers.rebase``), Q rebased like K but per token: with
 SCORES="fp8" Q and K are e4m3 on one exponent per token / KV tile; with SCORES="bf16" they are their
@@ -45,15 +44,16 @@ from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
-CONSUMERS = gl.constexpr(3)  # 3 x 160 registers + the loader's 24: the register file of a program
+CONSUMERS = gl.constexpr(3)
 BLOCK_M = CONSUMER_ROWS.value * CONSUMERS.value
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
-    """KV tile, pipeline depth (measured: 2 stages about as fast), the registers of the loader
-    warp and of each consumer warpgroup (``setmaxnreg``: with :data:`CONSUMERS` of them, the register
-    file of a program), and whether the softmax's row reductions run
-    as trees (``_row_reduce``: measured faster at head_dim 128, slower at 64)."""
+    """KV tile, pipeline depth (measured: 2 stages about as fast), the registers of the loader warp and of each
+    consumer warpgroup (``setmaxnreg``; a program's pool is 512 per thread over four warpgroups, the
+    loader's counted as one, and Triton gives the first consumer what the others leave: 168 + 2 x 160 + 24),
+    and whether the softmax's row reductions run as trees (``_row_reduce``: measured faster at head_dim 128,
+    slower at 64)."""
     if scores not in SCORE_MODES or head_dim not in HEAD_DIMS:
         raise ValueError(f"no configuration for scores={scores!r}, head_dim={head_dim}")
     stages = 4 if scores == "fp8" else 3
