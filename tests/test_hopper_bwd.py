@@ -387,8 +387,9 @@ def test_gluon_kernel_arguments_build_on_the_host():
     dq_accum = sm90_backward.dq_accumulator(prep, "cpu", dtype=torch.bfloat16)
     descriptors = sm90_backward._descriptors(prep, dq_accum)
     rows = sm90_backward.BLOCK_M.value
+    vectors_per_load = sm90_backward.VECTORS_PER_LOAD.value
     assert [d.block_shape for d in descriptors] == [[rows, dim], [dim, rows], [64, dim], [dim, 64], [64, dim],
-                                                    [rows, dim], [dim, rows], [rows], [rows, 32]]
+                                                    [rows, dim], [dim, rows], [vectors_per_load, rows], [rows, 32]]
     assert list(descriptors[-1].shape) == [prep.total_q + rows, heads_q * dim]
     padded = descriptors[-2].base.view(4, heads_q, prep.padded_q)
     vectors = padded_vectors_of(prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta)

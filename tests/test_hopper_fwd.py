@@ -588,7 +588,8 @@ def test_gluon_kernel_compiles_to_wgmma_for_sm90(scores, dim):
     bf16_mma = [line for line in wgmma if "bf16.bf16" in line]
     assert fp8_mma and len(fp8_mma) + len(bf16_mma) == len(wgmma) and bool(bf16_mma) == (scores == "bf16")
     assert sm90_forward.CONSUMERS == 3 and config["CONSUMER_REGS"] == 160
-    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{config['CONSUMER_REGS']};", ptx) and "setmaxnreg.dec" in ptx
+    consumer_regs = config["CONSUMER_REGS"]
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer_regs};", ptx) and "setmaxnreg.dec" in ptx
     # Persistent: the loader warp takes each next item from the launch's counter (one lane's atomic add)
     assert len(re.findall(r"atom\.global\.[a-z_.]*add\.u32", ptx)) == 1
     assert ptx.count("cp.async.bulk.tensor") >= 3

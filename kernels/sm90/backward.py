@@ -87,6 +87,11 @@ CONSUMERS = gl.constexpr(2)
 BLOCK_N = gl.constexpr(KEYS_PER_CONSUMER.value * CONSUMERS.value)  # keys per program
 BLOCK_M = gl.constexpr(64)  # queries per stage
 QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.value.bit_length() - 1))
+# Per-query vectors a TMA load brings, Q's (Q_FACTOR, P_LSE2) or dO's (Q_DO_FACTOR, Q_DELTA): one box of two
+# rows, since each load the default warpgroup issues costs its step a warpgroup barrier and address work.
+VECTORS_PER_LOAD = gl.constexpr(2)
+# The per-query vectors in shared memory, one [BLOCK_M] row each (unswizzled, as the loads' boxes).
+VECTOR_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 DQ_PIECE = gl.constexpr(32)  # columns of one dQ reduce-add box (the piece's accumulator: 16 registers)
 # dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
 # keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
@@ -327,35 +332,35 @@ def _for_each_tile(items, per_tile: gl.constexpr, args, HEADS_Q: gl.constexpr, H
 
 @gluon.jit
 def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transposed_smem, row_smem, ready, stage,
-               head, row, column, padded_q, FIRST_VECTOR: gl.constexpr, VECTORS: gl.constexpr, HEADS_Q: gl.constexpr,
-               D: gl.constexpr):
+               head, row, column, padded_q, FIRST_VECTOR: gl.constexpr, D: gl.constexpr):
     """One query tile of a tensor on both axes (feature ``[BLOCK_M, D]``, transposed ``[D, BLOCK_M]``)
-    and VECTORS of its per-query vectors from FIRST_VECTOR on into ``stage``, all signalled on ``ready``."""
+    and ``VECTORS_PER_LOAD`` of its per-query vectors from FIRST_VECTOR on into ``stage``, all signalled
+    on ``ready``."""
     mbarrier.expect(ready, feature_desc.block_type.nbytes + transposed_desc.block_type.nbytes
-                    + VECTORS * rows_desc.block_type.nbytes)
+                    + rows_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(feature_desc, [row, head * D], ready, feature_smem.index(stage))
     tma.async_copy_global_to_shared(transposed_desc, [head * D, column], ready, transposed_smem.index(stage))
-    for v in gl.static_range(FIRST_VECTOR, FIRST_VECTOR + VECTORS):
-        tma.async_copy_global_to_shared(rows_desc, [(v * HEADS_Q + head) * padded_q + column], ready,
-                                        row_smem.index(stage * ROW_VECTORS + v))
+    boxes = row_smem._reinterpret(gl.float32, [row_smem.shape[0] // VECTORS_PER_LOAD, VECTORS_PER_LOAD, BLOCK_M],
+                                  rows_desc.layout)
+    tma.async_copy_global_to_shared(rows_desc, [FIRST_VECTOR, head * padded_q + column], ready,
+                                    boxes.index((stage * ROW_VECTORS + FIRST_VECTOR) // VECTORS_PER_LOAD))
 
 
 @gluon.jit
 def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, q_start, padded_q_start, padded_q,
-               HEADS_Q: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr):
+               D: gl.constexpr, STAGES: gl.constexpr):
     """The operands of step i (query head ``head``, rows from ``m0``) into stage i % STAGES once both
-    consumers released it; with Q its token scales and P_LSE2, with dO Q_DELTA and (not EXACT: the
-    exact path's dP is in value units) Q_DO_FACTOR (``rows_desc``: the flat
-    ``[ROW_VECTORS, Hq, padded_q]`` vectors of :func:`_padded_row_vectors`)."""
+    consumers released it; with Q its token scales and P_LSE2, with dO Q_DO_FACTOR and Q_DELTA
+    (``rows_desc``: the ``[ROW_VECTORS, Hq * padded_q]`` vectors of :func:`_padded_row_vectors`; the exact
+    path reads no Q_DO_FACTOR, which its producer leaves unwritten, but it loads with Q_DELTA all the same)."""
     stage = i % STAGES
     mbarrier.wait(stages.empty.index(stage), ((i // STAGES) & 1) ^ 1)
     row = q_start + m0
     column = padded_q_start + m0
     _load_pair(q_desc, qt_desc, rows_desc, stages.q, stages.qt, stages.rows, stages.q_ready.index(stage), stage, head,
-               row, column, padded_q, Q_FACTOR, 2, HEADS_Q, D)
-    # dO's vectors: Q_DO_FACTOR and Q_DELTA, or Q_DELTA alone (adjacent: Q_DELTA = Q_DO_FACTOR + 1)
+               row, column, padded_q, Q_FACTOR, D)
     _load_pair(do_desc, dot_desc, rows_desc, stages.do, stages.dot, stages.rows, stages.do_ready.index(stage), stage,
-               head, row, column, padded_q, Q_DO_FACTOR + EXACT, 2 - EXACT, HEADS_Q, D)
+               head, row, column, padded_q, Q_DO_FACTOR, D)
 
 
 @gluon.jit
@@ -454,22 +459,21 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
 @gluon.jit
 def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd,
                             dq_desc, items, padded_q, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
-                            D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXACT: gl.constexpr,
-                            ACCUMULATE_DQ: gl.constexpr, IN_TURN: gl.constexpr):
+                            D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
+                            IN_TURN: gl.constexpr):
     """The default warpgroup over the program's work items (:func:`_for_each_tile`), each by
     :func:`_load_tile_and_accumulate_dq`."""
     _for_each_tile(items, _load_tile_and_accumulate_dq,
                    (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd, dq_desc,
-                    padded_q, HEADS_Q, D, STAGES, EXACT, ACCUMULATE_DQ), HEADS_Q, HEADS_KV, CAUSAL, IN_TURN)
+                    padded_q, D, STAGES, ACCUMULATE_DQ), HEADS_Q, HEADS_KV, CAUSAL, IN_TURN)
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
 
 
 @gluon.jit
 def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
-                                 stages, exchange, kv, dq_even, dq_odd, dq_desc, padded_q, HEADS_Q: gl.constexpr,
-                                 D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
-                                 ACCUMULATE_DQ: gl.constexpr):
+                                 stages, exchange, kv, dq_even, dq_odd, dq_desc, padded_q, D: gl.constexpr,
+                                 STAGES: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup on one key tile (``item``'s, unused: ``tile`` describes it): streams each
     step's query-side operands into the stage ring (the ring's steps from ``first_step`` on), STAGES steps
     ahead of the consumers, and
@@ -485,7 +489,7 @@ def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_de
     load_head, load_m0 = tile.first_head, tile.m_lo  # the query tile of the next step to load
     for i in range(gl.minimum(n_steps, STAGES)):
         _load_step(first_step + i, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages,
-                   tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
+                   tile.q_start, tile.padded_q_start, padded_q, D, STAGES)
         load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
     if ACCUMULATE_DQ:
         mbarrier.wait(kv.kt_ready, kt_phase)
@@ -493,7 +497,7 @@ def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_de
     for i in range(n_steps):
         if i + STAGES < n_steps:
             _load_step(first_step + i + STAGES, load_head, load_m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
-                       stages, tile.q_start, tile.padded_q_start, padded_q, HEADS_Q, D, STAGES, EXACT)
+                       stages, tile.q_start, tile.padded_q_start, padded_q, D, STAGES)
             load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
         if ACCUMULATE_DQ:
             _dq_step(first_step + i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, tile.q_start, D)
@@ -792,7 +796,7 @@ def _attention_backward_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS, KEYS_PER_CONSUMER, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS, KEYS_PER_CONSUMER, D], v_desc.layout)
     kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [CONSUMERS, D, KEYS_PER_CONSUMER], kt_desc.layout)
-    row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], rows_desc.layout)
+    row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], VECTOR_LAYOUT)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -830,7 +834,7 @@ def _attention_backward_kernel(
         [
             (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
                                        dq_even, dq_odd, dq_desc, items, padded_q, HEADS_Q, HEADS_KV, D, STAGES,
-                                       CAUSAL, EXACT, ACCUMULATE_DQ, IN_TURN)),
+                                       CAUSAL, ACCUMULATE_DQ, IN_TURN)),
             (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, items, batch,
                         softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
                         IN_TURN)),
@@ -845,15 +849,17 @@ def _attention_backward_kernel(
 
 def _padded_row_vectors(prep: Prepared) -> TensorDescriptor:
     """The per-query vectors (``Q_FACTOR``, ``P_LSE2``, ``Q_DO_FACTOR``, ``Q_DELTA``) as the producers wrote
-    them (``backward_passes.Prepared(row_vectors=True)``): one flat ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
-    sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read ``BLOCK_M`` at a
-    time (TMA needs a 16-byte aligned start, which sequences at arbitrary offsets do not give)."""
+    them (``backward_passes.Prepared(row_vectors=True)``): one ``[ROW_VECTORS, Hq, padded_q]`` fp32 buffer,
+    sequence ``b`` at ``padded_seq_start``, zeros past its end (P_LSE2: +inf), read as ``[ROW_VECTORS, Hq *
+    padded_q]`` in boxes of ``VECTORS_PER_LOAD`` vectors x ``BLOCK_M`` queries (TMA needs a 16-byte aligned
+    start, which sequences at arbitrary offsets do not give)."""
     if prep.rows is None:
         raise ValueError("the Gluon kernel needs the producers' padded per-query vectors: "
                          "backward_passes.Prepared(row_vectors=True)")
-    flat = prep.rows.view(-1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value],
-                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+    vectors = prep.rows.view(ROW_VECTORS.value, -1)
+    box = [VECTORS_PER_LOAD.value, BLOCK_M.value]
+    return TensorDescriptor(vectors, list(vectors.shape), [vectors.shape[1], 1], box,
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
