@@ -565,6 +565,10 @@ def test_gluon_kernel_compiles_to_fp8_wgmma_for_sm90(dim, causal, accumulate_dq,
     assert len(dq_steps) == (1 if accumulate_dq else 0)
     if accumulate_dq and dq_dtype == torch.bfloat16:
         assert not any(re.search(r"\b(STL|LDL)", x) for x in dq_steps[0])
+    # It also loads a later step: Q, Q^T, dO, dO^T and the per-query vectors as two boxes (each TMA load
+    # costs that step a warpgroup barrier and address work, and its instructions set the kernel's pace).
+    if accumulate_dq:
+        assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
 
 
 @pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q"])
