@@ -90,8 +90,10 @@ QUERY_DIMS = gl.constexpr(layout.key_order_dims(layout.pv_key_slot, BLOCK_M.valu
 # Per-query vectors a TMA load brings, Q's (Q_FACTOR, P_LSE2) or dO's (Q_DO_FACTOR, Q_DELTA): one box of two
 # rows, since each load the default warpgroup issues costs its step a warpgroup barrier and address work.
 VECTORS_PER_LOAD = gl.constexpr(2)
-# The per-query vectors in shared memory, one [BLOCK_M] row each (unswizzled, as the loads' boxes).
+# The per-query vectors in shared memory: unswizzled fp32 rows, read one [BLOCK_M] row at a time by the
+# consumers (VECTOR_LAYOUT) and written a [VECTORS_PER_LOAD, BLOCK_M] box at a time by TMA (VECTOR_BOX_LAYOUT).
 VECTOR_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+VECTOR_BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 DQ_PIECE = gl.constexpr(32)  # columns of one dQ reduce-add box (the piece's accumulator: 16 registers)
 # dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
 # keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
@@ -336,6 +338,7 @@ def _load_pair(feature_desc, transposed_desc, rows_desc, feature_smem, transpose
     """One query tile of a tensor on both axes (feature ``[BLOCK_M, D]``, transposed ``[D, BLOCK_M]``)
     and ``VECTORS_PER_LOAD`` of its per-query vectors from FIRST_VECTOR on into ``stage``, all signalled
     on ``ready``."""
+    gl.static_assert(FIRST_VECTOR % VECTORS_PER_LOAD == 0, "a load's vectors start on a box boundary")
     mbarrier.expect(ready, feature_desc.block_type.nbytes + transposed_desc.block_type.nbytes
                     + rows_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(feature_desc, [row, head * D], ready, feature_smem.index(stage))
@@ -353,6 +356,8 @@ def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
     consumers released it; with Q its token scales and P_LSE2, with dO Q_DO_FACTOR and Q_DELTA
     (``rows_desc``: the ``[ROW_VECTORS, Hq * padded_q]`` vectors of :func:`_padded_row_vectors`; the exact
     path reads no Q_DO_FACTOR, which its producer leaves unwritten, but it loads with Q_DELTA all the same)."""
+    gl.static_assert((P_LSE2 == Q_FACTOR + 1) & (Q_DELTA == Q_DO_FACTOR + 1),
+                     "each load's two vectors are adjacent rows of the vector buffer")
     stage = i % STAGES
     mbarrier.wait(stages.empty.index(stage), ((i // STAGES) & 1) ^ 1)
     row = q_start + m0
@@ -858,8 +863,7 @@ def _padded_row_vectors(prep: Prepared) -> TensorDescriptor:
                          "backward_passes.Prepared(row_vectors=True)")
     vectors = prep.rows.view(ROW_VECTORS.value, -1)
     box = [VECTORS_PER_LOAD.value, BLOCK_M.value]
-    return TensorDescriptor(vectors, list(vectors.shape), [vectors.shape[1], 1], box,
-                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    return TensorDescriptor(vectors, list(vectors.shape), [vectors.shape[1], 1], box, VECTOR_BOX_LAYOUT.value)
 
 
 def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
