@@ -26,6 +26,13 @@ its steps (query heads of a group outer, 64-query tiles inner, per 64-key tile):
 chunk truncated as above, chained into the wgmma accumulator for ``N`` steps and then added exactly
 into an fp32 total ("dK chained N"). N = 1 is the kernel's fresh accumulator per step; "all" chains
 every step (as dV is chained). ``--dk-only`` runs just these.
+
+``--dv-drift`` models dV = P^T dO summed the same two ways (chained over every step, as the kernel
+does, or a fresh accumulator per step) on flat causal attention, as a QK-norm model's layers have
+it (unit-norm q and k times sqrt(D), scores of spread ``--sigma``; one sequence per length in
+``--lengths``, four query heads on one KV head), and prints each sum's shrink (alpha, the least-squares
+factor of dV on the exact one: a systematic bias towards zero, which rel-L2 barely shows) and rel-L2
+against exact dV of the unrounded inputs.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from test_hopper_bwd import cosine, exact_gradients, forward_of, make_inputs, rel_l2  # noqa: E402  (the GPU tests')
 
 from jagged_attn import mx_format, reference  # noqa: E402
+from jagged_attn.quantize import quantize_mxfp8  # noqa: E402
 
 BITS = 13
 CHUNK = 32
@@ -149,6 +157,31 @@ def chained_dk(ds: torch.Tensor, q: torch.Tensor, flush_every: int | None) -> to
     return out.to(ds.dtype)
 
 
+def dv_drift(length: int, sigma: float, seed: int) -> dict[str, tuple[float, float]]:
+    """{summation: (alpha, rel-L2)} of dV on one flat causal sequence (``--dv-drift``): P on its static
+    scale and dO along the sequence rounded as the kernel rounds them, then summed by
+    :func:`chained_dk` with a fresh accumulator per step or chained over all of them."""
+    generator = torch.Generator().manual_seed(seed)
+    dim = 128
+
+    def unit(heads):
+        x = torch.randn(length, heads, dim, dtype=torch.float64, generator=generator)
+        return x / x.norm(dim=-1, keepdim=True) * dim**0.5
+
+    q, k = unit(GROUP) * sigma, unit(1).expand(length, GROUP, dim)
+    dout = torch.randn(length, GROUP, dim, dtype=torch.float64, generator=generator)
+    scores = torch.einsum(SCORE_PRODUCT, q, k) * dim**-0.5
+    p = torch.softmax(scores.masked_fill(~reference.visible_mask(length, length, True, "cpu"), -torch.inf), -1)
+    exact = torch.einsum(DK_PRODUCT, p, dout).sum(1)
+    p_operand = mx_format.quantize_p(p.float()).double() * 2.0**mx_format.P_STATIC_EXP
+    do_operand = quantize_mxfp8(dout.float(), torch.tensor([0, length]), axis="sequence").dequantize().double()
+    result = {}
+    for name, flush in (("fresh per step", 1), ("chained", None)):
+        got = chained_dk(p_operand, do_operand, flush)[:, 0] * 2.0**-mx_format.P_STATIC_EXP
+        result[name] = (float((got * exact).sum() / exact.square().sum()), float((got - exact).norm() / exact.norm()))
+    return result
+
+
 def modelled_dk(flush_every: int | None):
     """The reference backward with dK summed as :func:`chained_dk` sums it."""
     def product(call, *operands):  # dV first, then dK
@@ -181,7 +214,17 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--dk-only", action="store_true", help="only the dK accumulation modes")
+    parser.add_argument("--dv-drift", action="store_true", help="only dV's summations on flat causal attention")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--sigma", type=float, default=1.0)
     args = parser.parse_args()
+    if args.dv_drift:
+        for length in args.lengths:
+            for seed in args.seeds:
+                for name, (alpha, rel) in dv_drift(length, args.sigma, seed).items():
+                    print(f"length {length} sigma {args.sigma} seed {seed} dV {name:15s} alpha {alpha:.4f} "
+                          f"rel {rel:.4f}", flush=True)
+        return
     modes = {} if args.dk_only else {mode: functools.partial(modelled_backward, *m) for mode, m in MODES.items()}
     modes.update({mode: functools.partial(modelled_dk, flush) for mode, flush in DK_FLUSHES.items()})
     scale = 128**-0.5

@@ -9,7 +9,9 @@ the rule now; a Delta consistent with dP; a row sum of the rounded P; K and V ce
 Q and K; dS in 32-blocks along rows instead of 32x32 tiles), and prints the relative L2 error of O, dQ,
 dK, dV against exact attention of the same bf16 inputs, with each layer's statistics (median row max
 of P, channel bias, outliers). It also compares whole-model parameter gradients of ``--compare``
-backends (``NAME`` or ``NAME+c`` for ``center_kv=True``) with the BF16 attention's at the same weights.
+attentions (``train_lm.py --attn`` choices: ``hopper+c``, hybrids such as ``varlen/hopper:q``) with the
+BF16 attention's at the same weights: on one batch, and with ``--bias-batches N`` over N batches, which
+tensors' differences persist from batch to batch (a fixed error, which AdamW's momentum follows).
 
     python3 scripts/operand_probe.py --attn fa4 --compare hopper hopper+c --checkpoints 300 --out OUT [--quick]
 
@@ -236,7 +238,40 @@ def probe(model, batch, probe_batch, attend, compare, device, quick):
     return report
 
 
+def gradient_bias(model, batches, attend, compare, device):
+    """Per compared backend and parameter tensor, the gradient differences from the BF16 attention's on
+    each of ``batches`` at the same weights, d_b: ``persistence`` = |sum d_b|^2 / sum |d_b|^2 (1 when
+    the differences are independent from batch to batch, len(batches) when they are one fixed error) and
+    ``drift`` = |sum d_b| / |sum g_b| (the persistent part against the gradient that survives averaging,
+    which is what AdamW's momentum follows)."""
+    totals = {name: {} for name in compare}
+    for batch in batches:
+        reference, _ = _gradients(model, batch, attend, device)
+        for name, other in compare.items():
+            grads, _ = _gradients(model, batch, other, device)
+            for tensor, g in reference.items():
+                d = grads[tensor] - g
+                acc = totals[name].setdefault(tensor, dict(d=torch.zeros_like(g), g=torch.zeros_like(g), d2=0.0))
+                acc["d"] += d
+                acc["g"] += g
+                acc["d2"] += float(d.square().sum())
+    return {name: {tensor: dict(persistence=float(a["d"].square().sum()) / max(a["d2"], 1e-300),
+                                drift=float(a["d"].norm() / a["g"].norm().clamp_min(1e-300)))
+                   for tensor, a in per_tensor.items()}
+            for name, per_tensor in totals.items()}
+
+
 WORST_TENSORS = 6
+
+
+def print_bias(step, bias, count):
+    print(f"\n=== step {step}: gradient differences over {count} batches (persistence 1: independent, "
+          f"{count}: one fixed error)")
+    for name, tensors in bias.items():
+        ranked = sorted(tensors.items(), key=lambda item: -item[1]["drift"])
+        print(f"  {name}: largest drift (persistent difference / averaged gradient, persistence):")
+        for tensor, b in ranked[:2 * WORST_TENSORS]:
+            print(f"    {tensor:32s} drift {b['drift']:.4f}  persistence {b['persistence']:.2f}")
 
 
 def print_report(step, report):
@@ -255,10 +290,12 @@ def print_report(step, report):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", nargs="*", default=["hopper"], help="backends; NAME+c: center_kv=True")
+    parser.add_argument("--compare", nargs="*", default=["hopper"], help="train_lm --attn choices")
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[300])
     parser.add_argument("--probe-tokens", type=int, default=20000)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--bias-batches", type=int, default=0,
+                        help="also: which tensors' gradient differences persist over this many batches")
     ours, rest = parser.parse_known_args(argv)
     args = train_lm.parse_args(rest)  # --attn (one), model, data and optimizer as train_lm's
     device = torch.device(args.device)
@@ -269,8 +306,7 @@ def main(argv=None):
     cut = int((offsets <= ours.probe_tokens).nonzero().max())
     probe_batch = (tokens[:int(offsets[cut])], offsets[:cut + 1])
     attend = train_lm.attention_function(args.attn[0])
-    compare = {name: train_lm.attention_function(name.removesuffix("+c"), center_kv=name.endswith("+c"))
-               for name in ours.compare}
+    compare = {name: train_lm.attention_function(name) for name in ours.compare}
     model, optimizer, schedule = train_lm.training_setup(args, device)
     reports = {}
     for step in range(max(ours.checkpoints) + 1):
@@ -278,6 +314,10 @@ def main(argv=None):
             start = time.time()
             reports[step] = probe(model, batches[step % len(batches)], probe_batch, attend, compare, device, ours.quick)
             print_report(step, reports[step])
+            if ours.bias_batches:
+                following = [batches[(step + 1 + b) % len(batches)] for b in range(ours.bias_batches)]
+                reports[step]["bias"] = gradient_bias(model, following, attend, compare, device)
+                print_bias(step, reports[step]["bias"], ours.bias_batches)
             print(f"(probe of step {step}: {time.time() - start:.0f} s)")
             with open(os.path.join(args.out, "probe.json"), "w") as f:
                 json.dump(reports, f, indent=1)

@@ -9,9 +9,12 @@ MLP], tied output head; AdamW with warm-up and cosine decay, float32 weights, bf
 Every ``--attn`` choice starts from the same initial weights and sees the same batches:
 
 * one of our backends (``hopper``, ``hopper-exact-scores``, ``block-scaled``, ``reference``): ``jagged_attention``
-  (with ``--center-kv``: K and V quantized as offsets from their per-sequence means);
+  (with ``--center-kv`` or a ``+c`` suffix: K and V quantized as offsets from their per-sequence means; ``+d``:
+  the deterministic backward);
 * ``varlen``: torch ``varlen_attn`` in bf16 (FlashAttention-2);
-* ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` in bf16, where it imports.
+* ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` in bf16, where it imports;
+* ``FWD/BWD[:GRADS]``: a diagnostic hybrid, FWD's output with BWD's gradients (all, or those of the
+  inputs in GRADS, e.g. ``varlen/hopper:q``: dQ from ``hopper``, dK and dV from ``varlen``).
 
     python3 scripts/train_lm.py --attn hopper fa4 [--qk-norm] [--center-kv] [--steps 500] --out OUT_DIR
 
@@ -76,10 +79,18 @@ def packed_batches(docs: list[bytes], batch_tokens: int, seed: int) -> list[tupl
 
 def attention_function(name: str, center_kv: bool = False):
     """``attend(q, k, v, offsets, max_len) -> out`` (causal, ``[total, heads, head_dim]``) of an
-    ``--attn`` choice."""
-    if name in BACKENDS:
-        return lambda q, k, v, offsets, max_len: ja.jagged_attention(q, k, v, offsets, causal=True, backend=name,
-                                                                     center_kv=center_kv)
+    ``--attn`` choice: a backend of ours (``+c``: ``center_kv=True``, ``+d``: ``deterministic=True``), a
+    BF16 peer, or ``FWD/BWD[:GRADS]``, a diagnostic hybrid (``hybrid_attention``)."""
+    if "/" in name:
+        forward_name, _, backward_name = name.partition("/")
+        backward_name, _, grads = backward_name.partition(":")
+        return hybrid_attention(attention_function(forward_name, center_kv),
+                                attention_function(backward_name, center_kv), grads or "qkv")
+    backend, *options = name.split("+")
+    if backend in BACKENDS and set(options) <= {"c", "d"}:
+        center, deterministic = center_kv or "c" in options, "d" in options
+        return lambda q, k, v, offsets, max_len: ja.jagged_attention(
+            q, k, v, offsets, causal=True, backend=backend, center_kv=center, deterministic=deterministic)
     if name == "varlen":
         from bench import varlen_causal_kwargs
         from torch.nn.attention.varlen import varlen_attn
@@ -102,7 +113,38 @@ def attention_function(name: str, center_kv: bool = False):
         if fa4 is None:
             raise SystemExit(f"--attn fa4: FlashAttention-4 does not import here ({why})")
         return lambda q, k, v, offsets, max_len: fa4_attention(fa4, q, k, v, offsets, offsets, max_len, max_len, True)
-    raise SystemExit(f"--attn must be one of {(*BACKENDS, *BF16_PEERS)}, got {name!r}")
+    raise SystemExit(f"--attn must be one of {(*BACKENDS, *BF16_PEERS)} (backends with +c / +d) or FWD/BWD[:GRADS], "
+                     f"got {name!r}")
+
+
+def hybrid_attention(forward_attend, backward_attend, grads: str):
+    """``attend`` whose output is ``forward_attend``'s and whose gradients for the inputs named in
+    ``grads`` (a subset of "qkv") are ``backward_attend``'s, each recomputed under autograd in the
+    backward from the saved inputs (the others are ``forward_attend``'s own). A diagnostic: which half
+    of an attention, or which of its gradients, a training difference comes from."""
+    if not grads or not set(grads) <= set("qkv"):
+        raise SystemExit(f"GRADS must be a subset of 'qkv', got {grads!r}")
+
+    def input_gradients(attend, q, k, v, offsets, max_len, grad_out):
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            return torch.autograd.grad(attend(*inputs, offsets, max_len), inputs, grad_out)
+
+    class Hybrid(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, offsets, max_len):
+            ctx.save_for_backward(q, k, v, offsets)
+            ctx.max_len = max_len
+            return forward_attend(q, k, v, offsets, max_len)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, offsets = ctx.saved_tensors
+            chosen = input_gradients(backward_attend, q, k, v, offsets, ctx.max_len, grad_out)
+            own = chosen if grads == "qkv" else input_gradients(forward_attend, q, k, v, offsets, ctx.max_len, grad_out)
+            return (*(c if x in grads else o for x, c, o in zip("qkv", chosen, own)), None, None)
+
+    return Hybrid.apply
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

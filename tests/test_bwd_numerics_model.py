@@ -1,4 +1,4 @@
-"""scripts/bwd_numerics_model.py's model of how the Gluon backward sums dK over its steps."""
+"""scripts/bwd_numerics_model.py's model of how the Gluon backward sums dK and dV over its steps."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ def test_chaining_truncates_small_steps_against_a_large_sum():
     errors = {flush: float((model.chained_dk(ds, q, flush)[:, 0] - exact).abs().max() / exact.abs().max())
               for flush in (1, None)}
     assert errors[1] < 1e-6 < errors[None], errors
+
+
+def test_chained_dv_shrinks_on_flat_causal_attention():
+    """The kernel's chained dV sum on flat causal attention (a QK-norm model's): each add truncates the
+    running sum towards zero, so dV comes out smaller by a factor that grows with the steps a key sees,
+    while rel-L2 barely moves; a fresh accumulator per step keeps only the in-step chunks' truncation."""
+    drift = model.dv_drift(1024, 1.0, seed=1)
+    (fresh_alpha, fresh_rel), (chained_alpha, chained_rel) = drift["fresh per step"], drift["chained"]
+    assert abs(1 - fresh_alpha) < 1e-3 and chained_alpha < 0.998, drift
+    assert abs(chained_rel - fresh_rel) < 0.005 and fresh_rel < 0.05, drift

@@ -67,7 +67,7 @@ def test_probe_runs_on_cpu(tmp_path):
         "--attn", "reference", "--compare", "reference", "--checkpoints", "1", "--quick", "--probe-tokens", "400",
         "--dim", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "64",
         "--batch-tokens", "600", "--max-files", "20", "--steps", "2", "--device", "cpu", "--qk-norm",
-        "--out", str(tmp_path)])
+        "--bias-batches", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "probe.json").read_text())
     layer = saved["1"]["layers"][0]
     assert set(layer["errors"]) == set(reports[1]["layers"][0]["errors"]) and len(layer["errors"]) == 9
@@ -75,3 +75,5 @@ def test_probe_runs_on_cpu(tmp_path):
     assert gradients["cosine"] > 0.999  # the same attention: the same gradients, whole and tensor by tensor
     assert {"blocks.0.q_norm.weight", "blocks.0.qkv.weight", "embed.weight"} <= set(gradients["tensors"])
     assert all(t["cosine"] > 0.999 for t in gradients["tensors"].values()), gradients["tensors"]
+    bias = saved["1"]["bias"]["reference"]
+    assert set(bias) == set(gradients["tensors"]) and all(b["drift"] < 1e-6 for b in bias.values()), bias

@@ -52,3 +52,32 @@ def test_a_few_steps_lower_the_loss(tmp_path):
     assert min(losses[-4:]) < losses[0] - 1.0
     saved = json.loads((tmp_path / "train_lm.json").read_text())
     assert saved["runs"][0]["validation_loss"] == run["validation_loss"]
+
+
+def test_hybrid_attention_takes_its_output_from_one_attention_and_the_named_gradients_from_the_other():
+    def plain(q, k, v, offsets, max_len):
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    def scaled(q, k, v, offsets, max_len):  # every input's gradient 3x plain's, its output too
+        return 3 * plain(q, k, v, offsets, max_len)
+
+    q, k, v = (torch.randn(4, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(4, 5, 8, dtype=torch.float64)
+    expected = torch.autograd.grad(plain(q, k, v, None, 5), (q, k, v), grad_out)
+    for grads in ("qkv", "q", "kv"):
+        out = train_lm.hybrid_attention(plain, scaled, grads)(q, k, v, None, 5)
+        assert torch.allclose(out, plain(q, k, v, None, 5))
+        got = torch.autograd.grad(out, (q, k, v), grad_out)
+        for name, g, e in zip("qkv", got, expected):
+            assert torch.allclose(g, 3 * e if name in grads else e), (grads, name)
+
+
+def test_attention_choices_parse_hybrids_and_backend_options():
+    assert callable(train_lm.attention_function("reference+c+d"))
+    assert callable(train_lm.attention_function("reference/reference:q"))
+    for bad in ("reference+x", "nothing", "reference/reference:w"):
+        try:
+            train_lm.attention_function(bad)
+        except SystemExit:
+            continue
+        raise AssertionError(bad)
