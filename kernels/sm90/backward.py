@@ -24,8 +24,8 @@ each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, 
 small steps against a large running sum); dV chains (registers are short), so a key's dV comes out
 smaller the more query steps see it (about 1% at 4k keys of flat attention,
 ``scripts/bwd_numerics_model.py --dv-drift``): within the accuracy tests' bounds, yet enough to keep a
-QK-norm LM's training behind BF16's (docs/PERF.md). dQ's partials are added in L2, in bf16 on batches of at most 16k keys a sequence
-(``dq_accum_dtype``), in units that ``backward_passes.finish_dq`` scales.
+QK-norm LM's training behind BF16's (docs/PERF.md). dQ's partials are added in L2, in bf16 on batches
+of at most 16k keys a sequence (``dq_accum_dtype``), in units that ``backward_passes.finish_dq`` scales.
 
 S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
 (``scores="bf16"``, backend ``hopper-exact-scores``: fp32 accumulation, so S and dP are exact, with no
