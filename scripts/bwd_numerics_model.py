@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from test_hopper_bwd import cosine, exact_gradients, forward_of, make_inputs, rel_l2  # noqa: E402  (the GPU tests')
 
 from jagged_attn import mx_format, reference  # noqa: E402
+from jagged_attn.metrics import least_squares_factor, relative_l2  # noqa: E402
 from jagged_attn.quantize import quantize_mxfp8  # noqa: E402
 
 BITS = 13
@@ -126,26 +127,26 @@ def quantize_ds_tiles(ds: torch.Tensor, running: bool) -> torch.Tensor:
     return (values * mx_format.descale_factors(byte)).reshape(padded.shape)[:, :len_q, :len_k]
 
 
-DK_PRODUCT = "hqk,qhd->khd"  # dV = P^T dO, then dK = dS^T Q in reference_backward, per sequence
+KEY_PRODUCT = "hqk,qhd->khd"  # dV = P^T dO, then dK = dS^T Q in reference_backward, per sequence
 DK_FLUSHES = {"dK chained 1": 1, "dK chained 4": 4, "dK chained 16": 16, "dK chained all": None}
 
 
-def chained_dk(ds: torch.Tensor, q: torch.Tensor, flush_every: int | None) -> torch.Tensor:
-    """``einsum(DK_PRODUCT, ds, q)`` of one sequence (``[Hq, Lq, Lk]``, ``[Lq, Hq, D]``) with each KV head's
-    group sum in its first query head (``reference.reduce_kv`` then gives the group's dK), summed as
-    the kernel's steps sum it: per 32-query chunk truncated at its bound, chunks chained into the wgmma
-    accumulator with truncation against the larger addend, and every ``flush_every`` 64-query steps
-    (never for None) added exactly into the total."""
-    heads, len_q, len_k = ds.shape
-    out = torch.zeros(len_k, heads, q.shape[-1], dtype=torch.float64)
+def chained_key_product(weights: torch.Tensor, rows: torch.Tensor, flush_every: int | None) -> torch.Tensor:
+    """``einsum(KEY_PRODUCT, weights, rows)`` of one sequence (``[Hq, Lq, Lk]``, ``[Lq, Hq, D]``: dS and Q
+    for dK, P and dO for dV) with each KV head's group sum in its first query head (``reference.reduce_kv``
+    then gives the group's gradient), summed as the kernel's steps sum it: per 32-query chunk truncated
+    at its bound, chunks chained into the wgmma accumulator with truncation against the larger addend,
+    and every ``flush_every`` 64-query steps (never for None) added exactly into the total."""
+    heads, len_q, len_k = weights.shape
+    out = torch.zeros(len_k, heads, rows.shape[-1], dtype=torch.float64)
     chunks_per_flush = None if flush_every is None else flush_every * DS_TILE // CHUNK
     for first in range(0, heads, GROUP):
-        total = torch.zeros(len_k, q.shape[-1], dtype=torch.float64)
+        total = torch.zeros(len_k, rows.shape[-1], dtype=torch.float64)
         acc, chained = torch.zeros_like(total), 0
         for h in range(first, first + GROUP):
             for start in range(0, len_q, CHUNK):
-                a = ds[h, start:start + CHUNK].double()  # [chunk, Lk]
-                b = q[start:start + CHUNK, h].double()  # [chunk, D]
+                a = weights[h, start:start + CHUNK].double()  # [chunk, Lk]
+                b = rows[start:start + CHUNK, h].double()  # [chunk, D]
                 if not a.any():
                     continue  # a causal step the kernel skips
                 part = _truncate(a.T @ b, a.abs().amax(0)[:, None] * b.abs().amax(0)[None, :])
@@ -154,13 +155,13 @@ def chained_dk(ds: torch.Tensor, q: torch.Tensor, flush_every: int | None) -> to
                 if chunks_per_flush is not None and chained == chunks_per_flush:
                     total, acc, chained = total + acc, torch.zeros_like(acc), 0
         out[:, first] = total + acc
-    return out.to(ds.dtype)
+    return out.to(weights.dtype)
 
 
 def dv_drift(length: int, sigma: float, seed: int) -> dict[str, tuple[float, float]]:
     """{summation: (alpha, rel-L2)} of dV on one flat causal sequence (``--dv-drift``): P on its static
     scale and dO along the sequence rounded as the kernel rounds them, then summed by
-    :func:`chained_dk` with a fresh accumulator per step or chained over all of them."""
+    :func:`chained_key_product` with a fresh accumulator per step or chained over all of them."""
     generator = torch.Generator().manual_seed(seed)
     dim = 128
 
@@ -172,22 +173,22 @@ def dv_drift(length: int, sigma: float, seed: int) -> dict[str, tuple[float, flo
     dout = torch.randn(length, GROUP, dim, dtype=torch.float64, generator=generator)
     scores = torch.einsum(SCORE_PRODUCT, q, k) * dim**-0.5
     p = torch.softmax(scores.masked_fill(~reference.visible_mask(length, length, True, "cpu"), -torch.inf), -1)
-    exact = torch.einsum(DK_PRODUCT, p, dout).sum(1)
+    exact = torch.einsum(KEY_PRODUCT, p, dout).sum(1)
     p_operand = mx_format.quantize_p(p.float()).double() * 2.0**mx_format.P_STATIC_EXP
     do_operand = quantize_mxfp8(dout.float(), torch.tensor([0, length]), axis="sequence").dequantize().double()
     result = {}
     for name, flush in (("fresh per step", 1), ("chained", None)):
-        got = chained_dk(p_operand, do_operand, flush)[:, 0] * 2.0**-mx_format.P_STATIC_EXP
-        result[name] = (float((got * exact).sum() / exact.square().sum()), float((got - exact).norm() / exact.norm()))
+        got = chained_key_product(p_operand, do_operand, flush)[:, 0] * 2.0**-mx_format.P_STATIC_EXP
+        result[name] = (least_squares_factor(got, exact), relative_l2(got, exact))
     return result
 
 
 def modelled_dk(flush_every: int | None):
-    """The reference backward with dK summed as :func:`chained_dk` sums it."""
+    """The reference backward with dK summed as :func:`chained_key_product` sums it."""
     def product(call, *operands):  # dV first, then dK
-        return chained_dk(*operands, flush_every) if call % 2 else torch.einsum(DK_PRODUCT, *operands)
+        return chained_key_product(*operands, flush_every) if call % 2 else torch.einsum(KEY_PRODUCT, *operands)
 
-    return _reference_torch(_TorchWithModelledEinsum(DK_PRODUCT, product))
+    return _reference_torch(_TorchWithModelledEinsum(KEY_PRODUCT, product))
 
 
 @contextlib.contextmanager

@@ -251,11 +251,12 @@ def gradient_bias(model, batches, attend, compare, device):
             grads, _ = _gradients(model, batch, other, device)
             for tensor, g in reference.items():
                 d = grads[tensor] - g
-                acc = totals[name].setdefault(tensor, dict(d=torch.zeros_like(g), g=torch.zeros_like(g), d2=0.0))
+                acc = totals[name].setdefault(tensor, dict(d=torch.zeros_like(g), g=torch.zeros_like(g),
+                                                           d2=g.new_zeros(())))
                 acc["d"] += d
                 acc["g"] += g
-                acc["d2"] += float(d.square().sum())
-    return {name: {tensor: dict(persistence=float(a["d"].square().sum()) / max(a["d2"], 1e-300),
+                acc["d2"] += d.square().sum()  # on the device: no wait per tensor and batch
+    return {name: {tensor: dict(persistence=float(a["d"].square().sum() / a["d2"].clamp_min(1e-300)),
                                 drift=float(a["d"].norm() / a["g"].norm().clamp_min(1e-300)))
                    for tensor, a in per_tensor.items()}
             for name, per_tensor in totals.items()}

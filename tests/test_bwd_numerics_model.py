@@ -19,9 +19,9 @@ def test_chained_dk_is_the_group_sum_when_nothing_is_truncated():
     heads, len_q, len_k, dim = 2 * model.GROUP, 3 * model.DS_TILE + 5, 70, 16
     ds = torch.randint(-3, 4, (heads, len_q, len_k)).double()
     q = torch.randint(-3, 4, (len_q, heads, dim)).double()
-    want = reduce_kv(torch.einsum(model.DK_PRODUCT, ds, q), heads // model.GROUP)
+    want = reduce_kv(torch.einsum(model.KEY_PRODUCT, ds, q), heads // model.GROUP)
     for flush in model.DK_FLUSHES.values():
-        assert torch.equal(reduce_kv(model.chained_dk(ds, q, flush), heads // model.GROUP), want), flush
+        assert torch.equal(reduce_kv(model.chained_key_product(ds, q, flush), heads // model.GROUP), want), flush
 
 
 def test_chaining_truncates_small_steps_against_a_large_sum():
@@ -32,8 +32,8 @@ def test_chaining_truncates_small_steps_against_a_large_sum():
     ds = torch.full((heads, len_q, len_k), 1.0 + 2**-10, dtype=torch.float64)
     ds[0, :model.DS_TILE] = 2.0**12
     q = torch.ones(len_q, heads, dim, dtype=torch.float64)
-    exact = torch.einsum(model.DK_PRODUCT, ds, q).sum(1)
-    errors = {flush: float((model.chained_dk(ds, q, flush)[:, 0] - exact).abs().max() / exact.abs().max())
+    exact = torch.einsum(model.KEY_PRODUCT, ds, q).sum(1)
+    errors = {flush: float((model.chained_key_product(ds, q, flush)[:, 0] - exact).abs().max() / exact.abs().max())
               for flush in (1, None)}
     assert errors[1] < 1e-6 < errors[None], errors
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attention_oracle import padded_attention, sdpa_matches
-from jagged_attn.metrics import cosine, relative_l2
+from jagged_attn.metrics import cosine, least_squares_factor, relative_l2
 from jagged_attn.offsets import offsets_from_lengths
 from jagged_attn.quantize import quantize_mxfp8
 from jagged_attn.reference import reference_backward, reference_forward
@@ -152,3 +152,12 @@ def test_softmax_scale_is_used():
     a, _ = reference_forward(q, k, v, oq, ok, softmax_scale=0.01, compute_dtype=F64, fp8=False)
     b, _ = reference_forward(q, k, v, oq, ok, softmax_scale=1 / math.sqrt(32), compute_dtype=F64, fp8=False)
     assert relative_l2(a, b) > 1e-2
+
+
+def test_least_squares_factor_sees_a_shrink_that_relative_l2_barely_does():
+    ref = torch.randn(4096, dtype=torch.float64)
+    noise = 0.03 * torch.randn(4096, dtype=torch.float64)
+    assert least_squares_factor(ref, ref) == 1.0
+    shrunk = 0.99 * ref + noise
+    assert abs(least_squares_factor(shrunk, ref) - 0.99) < 2e-3
+    assert abs(relative_l2(shrunk, ref) - relative_l2(ref + noise, ref)) < 3e-3
