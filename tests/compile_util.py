@@ -31,7 +31,7 @@ sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.meta
 """
 
 
-_DESCRIPTOR_DTYPES = {"float8_e4m3fn": "fp8e4nv", "bfloat16": "bf16", "float32": "fp32"}
+_DESCRIPTOR_DTYPES = {"float8_e4m3fn": "fp8e4nv", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def descriptor_type(descriptor) -> str:

@@ -39,10 +39,11 @@ def test_chaining_truncates_small_steps_against_a_large_sum():
 
 
 def test_chained_dv_shrinks_on_flat_causal_attention():
-    """The kernel's chained dV sum on flat causal attention (a QK-norm model's): each add truncates the
-    running sum towards zero, so dV comes out smaller by a factor that grows with the steps a key sees,
-    while rel-L2 barely moves; a fresh accumulator per step keeps only the in-step chunks' truncation."""
+    """An FP8 wgmma chain of dV over every step (the kernel's dV before its fp16 wgmma) on flat causal
+    attention (a QK-norm model's): each add truncates the running sum towards zero, so dV comes out
+    smaller than when each step's sum is added exactly, while rel-L2 barely moves. (Per-step sums keep
+    the in-step chunks' truncation: their factor is 0.997-1.000 over draws, chained 0.0027-0.0029 below.)"""
     drift = model.dv_drift(1024, 1.0, seed=1)
     (fresh_alpha, fresh_rel), (chained_alpha, chained_rel) = drift["fresh per step"], drift["chained"]
-    assert abs(1 - fresh_alpha) < 1e-3 and chained_alpha < 0.998, drift
+    assert chained_alpha < fresh_alpha - 2e-3 and fresh_alpha > 0.995, drift
     assert abs(chained_rel - fresh_rel) < 0.005 and fresh_rel < 0.05, drift

@@ -18,7 +18,8 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
   rows and dK rows divide it back out). These copies are stored transposed, ``[heads, D,
   padded_total]`` with sequence ``b`` at padded row ``padded_seq_start``, so that the sequence axis is
   contiguous (K-major), as FP8 MMAs need for both operands, with the tokens of each slot in a
-  ``layout`` token order. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there; the
+  ``layout`` token order. dO's may instead hold its e4m3 values as fp16 (``do_sequence_dtype``), for
+  the Hopper kernel's fp16 dV wgmma, whose fp32 accumulation chains over the steps unbiased. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there; the
   producer writes them in full, zeros past the end, so the kernels read these tiles without masks.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
   a program has reduced so far: the accumulator is rescaled by an exact power of two <= 1 when the
@@ -131,7 +132,7 @@ def _sequence_amax_kernel(
 def _quantize_kernel(
     x_ptr, offsets_ptr, tiles_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
-    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 [H, D, padded]
+    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 (or fp16) [H, D, padded]
     out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
     rows_ptr,  # fp32 [ROW_VECTORS, H, padded]: per-query vectors in padded slots (the Hopper kernel's)
     total, padded, batch,
@@ -198,7 +199,8 @@ def _quantize_kernel(
         if SEQUENCE:  # the whole slot, zeros past the end
             data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(sequence_byte)[None, :],
                                INTERPRET)
-            store_sequence_copy(sequence_ptr, data, h, channels, seq_start, b, rows, padded, HEAD_DIM, ORDER)
+            store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,
+                                rows, padded, HEAD_DIM, ORDER)
 
 
 @triton.jit
@@ -246,7 +248,8 @@ class _Quantized:
 
 
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
+                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn,
+                          sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
@@ -254,7 +257,8 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
     ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
     (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
-    token scales are written as well, for what the kernels fold into dS).
+    token scales are written as well, for what the kernels fold into dS); ``sequence_dtype`` fp16 stores
+    the sequence copy's e4m3 values as fp16 (exact; its scales are the same).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``; ``dlse`` (fp32
     ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
@@ -269,7 +273,6 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
     f32 = dict(dtype=torch.float32, device=x.device)
-    e4m3 = dict(dtype=torch.float8_e4m3fn, device=x.device)
     result = _Quantized()
     with_delta = out is not None
     delta = torch.empty(heads, total, **f32) if with_delta else None
@@ -278,7 +281,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         result.feature = torch.empty(x.shape, dtype=feature_dtype, device=x.device)
         result.feature_scale = torch.empty(heads, total, **f32)
     if sequence:
-        result.sequence = torch.empty(heads, dim, padded, **e4m3)
+        result.sequence = torch.empty(heads, dim, padded, dtype=sequence_dtype, device=x.device)
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
     if total == 0:
         return result, delta, lse2
@@ -319,11 +322,14 @@ class Prepared:
     """The producers' outputs for one backward call, plus the sizes the launches need."""
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
-                 key_order=NATURAL_ORDER, exact_scores=False, row_vectors=False, dlse=None):
-        """``query_order``: token order of Q^T and dO^T, ``key_order``: of K^T (``layout`` orders);
+                 key_order=NATURAL_ORDER, do_order=None, do_sequence_dtype=torch.float8_e4m3fn, exact_scores=False,
+                 row_vectors=False, dlse=None):
+        """``query_order``: token order of Q^T and of dO^T unless ``do_order`` is given, ``key_order``: of
+        K^T (``layout`` orders); ``do_sequence_dtype``: dO^T's (e4m3, or fp16 holding its e4m3 values);
         ``row_vectors``: also the Hopper kernel's per-query vectors in padded slots (``self.rows``);
         ``dlse``: the LSE's gradient, taken into Delta (None: none)."""
         self.query_order, self.key_order = query_order, key_order
+        self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
         self.batch = offsets_q.numel() - 1
         self.total_q, self.total_k = q.shape[0], k.shape[0]
@@ -351,8 +357,8 @@ class Prepared:
         self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
                                              tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = quantize_for_backward(
-            dout, offsets_q, feature=True, sequence=True, group=group, out=out, lse=lse, dlse=dlse, order=query_order,
-            feature_dtype=score_dtype, tiles=self.tiles_q, rows=self.rows)
+            dout, offsets_q, feature=True, sequence=True, group=group, out=out, lse=lse, dlse=dlse, order=self.do_order,
+            feature_dtype=score_dtype, sequence_dtype=do_sequence_dtype, tiles=self.tiles_q, rows=self.rows)
 
     @cached_property
     def max_len_q(self) -> int:

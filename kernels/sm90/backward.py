@@ -9,7 +9,7 @@ consumer warpgroups, 64 keys each, run per stage::
 
     S^T = K Q^T,  dP^T = V dO^T                (bf16 or FP8 wgmma, fp32 in registers)
     P^T = exp2(S^T - LSE),  dS^T = P^T (dP^T - Delta),  publish dS
-    dV += P^T dO,  dK += dS^T Q                (P^T, dS^T e4m3 straight from registers)
+    dV += P^T dO,  dK += dS^T Q                (fp16 / FP8 wgmma, P^T and dS^T straight from registers)
 
 where publishing stores dS (e4m3, queries x keys) in shared memory from registers as 16-bit key pairs
 by transposing ``stmatrix`` stores (keys in ``layout.ds_key_slot`` order, which the producer gives K^T
@@ -17,15 +17,20 @@ too); the default warpgroup then forms the tile's dQ partial = dS K over both co
 columns at a time, and adds it to global memory with TMA bulk reduce-adds. So the consumers never wait
 for each other (an earlier form coupled them through the per-step dS exchange, each computing half of dQ).
 
-P^T's and dS^T's accumulator registers are the A operands of the dV / dK wgmmas without any
-shuffle because the producer stores Q^T and dO^T with their tokens in ``layout.pv_key_slot``
-order (the forward's trick for V^T, here along queries). dK's wgmma starts from a zero accumulator
-each step and is added in fp32 (FP8 wgmma accumulates with truncated alignment, which biases
-small steps against a large running sum); dV chains (registers are short), so a key's dV comes out
-smaller the more query steps see it (about 1% at 4k keys of flat attention,
-``scripts/bwd_numerics_model.py --dv-drift``): within the accuracy tests' bounds, yet enough to keep a
-QK-norm LM's training behind BF16's (docs/PERF.md). dQ's partials are added in L2, in bf16 on batches
-of at most 16k keys a sequence (``dq_accum_dtype``), in units that ``backward_passes.finish_dq`` scales.
+FP8 wgmma accumulates with truncated alignment: each add loses low bits towards zero against the
+running sum, so a sum chained over many small steps comes out biased small. dK's FP8 wgmma therefore
+starts from a zero accumulator each step and is added in fp32. dV's wgmma is fp16 on P^T's e4m3
+values and an fp16 copy of dO^T's (both exact in fp16; the producer writes dO^T so), whose fp32
+accumulation chains over the steps without that bias: the chained FP8 dV had shrunk the dV of keys that
+many queries see (3-5e-4 of its least-squares factor at 4k keys of flat attention), which rel-L2 does
+not show and which kept a QK-norm LM's training 0.03 nats behind BF16's (docs/PERF.md). A fresh FP8
+tile per step added in fp32, as for dK, needs 64 registers more than the consumers have (taken in
+two halves it spilled nothing but was slower). dS^T's accumulator registers are the A operand of dK's
+FP8 wgmma without any shuffle because the producer stores Q^T with its tokens in
+``layout.pv_key_slot`` order (the forward's trick for V^T, here along queries); P^T's, as 16-bit
+values, are the fp16 wgmma's A operand in natural token order, in which dO^T is stored. dQ's partials
+are added in L2, in bf16 on batches of at most 16k keys a sequence (``dq_accum_dtype``), in units that
+``backward_passes.finish_dq`` scales.
 
 S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX values as bf16
 (``scores="bf16"``, backend ``hopper-exact-scores``: fp32 accumulation, so S and dP are exact, with no
@@ -96,7 +101,9 @@ VECTORS_PER_LOAD = gl.constexpr(2)
 # consumers (VECTOR_LAYOUT) and written a [VECTORS_PER_LOAD, BLOCK_M] box at a time by TMA (VECTOR_BOX_LAYOUT).
 VECTOR_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 VECTOR_BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-DQ_PIECE = gl.constexpr(32)  # columns of one dQ reduce-add box (the piece's accumulator: 16 registers)
+# Columns of one dQ reduce-add box (the piece's accumulator: 16 registers), the kernel's from its dQ
+# descriptor's box (dq_piece).
+DQ_PIECE = 32
 # dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
 # keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
 # pass. Each add rounds the running sum to 8 bits: simulated, dQ moves by 0.5% at 2k keys, 1.3% at 16k and
@@ -429,14 +436,15 @@ def _share_ds(ds, ds_byte, exchange, i, CONSUMER: gl.constexpr):
 @gluon.jit
 def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
              D: gl.constexpr):
-    """Step i's dQ partial over both consumers' keys, ``DQ_PIECE`` columns at a time, added into
-    ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
+    """Step i's dQ partial over both consumers' keys, a box of ``dq_desc`` (``dq_piece`` columns) at a time,
+    added into ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
     accumulator chains both halves of the keys: consumer 0's product is brought to consumer 1's dS
     scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
-    PIECES: gl.constexpr = D // DQ_PIECE
-    piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(DQ_PIECE)
-    zero = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, layout=piece_layout)
+    COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
+    PIECES: gl.constexpr = D // COLUMNS
+    piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(COLUMNS)
+    zero = gl.zeros([BLOCK_M, COLUMNS], gl.float32, layout=piece_layout)
     buffer = i % 2
     mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
     ds0 = exchange.ds.index(buffer * CONSUMERS)
@@ -446,8 +454,8 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
                         scale0 * (1.0 / MAX_SCALE_RATIO))
     ratio = scale0 / scale1
     for piece in gl.static_range(PIECES):
-        k0 = kt_smem.index(0).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
-        k1 = kt_smem.index(1).slice(piece * DQ_PIECE, DQ_PIECE, dim=0).permute((1, 0))
+        k0 = kt_smem.index(0).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
+        k1 = kt_smem.index(1).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
         part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
         part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
         part = warpgroup_mma(ds1, k1, part * ratio, is_async=True)
@@ -459,7 +467,7 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
         # previous piece's add read the other buffer, which the next piece writes.
         tma.store_wait(0)
         gl.thread_barrier()
-        _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * DQ_PIECE], staging)
+        _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * COLUMNS], staging)
     mbarrier.arrive(exchange.free.index(buffer), count=1)
 
 
@@ -632,7 +640,7 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     masked_steps = gl.maximum(gl.cdiv(unmasked_from - m_lo, BLOCK_M), 0)
     unmasked_steps = (m_end - m_lo) // BLOCK_M - masked_steps
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
-    dv_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
+    dv_acc = gl.zeros([KEYS, D], gl.float32, layout=layout.wgmma_accumulator_layout(D, 16))
     ds_byte = layout.SMALLEST_NORMAL_BYTE
     mbarrier.wait(ready, kv_phase)
     # Loops counted from 0: Triton 3.6 built a loop from first_step from 0 in the consumers (the
@@ -676,6 +684,7 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     s_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M)
     o_layout: gl.constexpr = layout.wgmma_accumulator_layout(D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    dv_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_acc.type.layout, k_width=2)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     score_layout: gl.constexpr = layout.wgmma_accumulator_layout(BLOCK_M, key_rows.k.dtype.primitive_bitwidth)
     score_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=score_layout)
@@ -728,19 +737,22 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     if onto_new_scale != 1.0:
         ds = ds * onto_new_scale
     ds8 = ds.to(gl.float8e4nv)
-    p8 = _as_query_operand(p.to(gl.float8e4nv), a_layout)
-    # Published before the dV / dK wgmmas: fewer registers live (no spills at this point) and
-    # the dQ warpgroup starts earlier.
+    # dV chains in an fp16 wgmma on P^T's e4m3 values (exact in fp16; S^T's accumulator registers are
+    # its A operand as they are), which accumulates in fp32. Issued before dS is published and waited
+    # for before dK's wgmma: P^T's 16 registers and dK's fresh tile are never live together (both at
+    # once spill).
+    p16 = gl.convert_layout(p.to(gl.float8e4nv).to(gl.float16), dv_a_layout, assert_trivial=True)
+    dot_view = stages.dot.index(stage).permute((1, 0))
+    dv_acc = warpgroup_mma(p16, dot_view, dv_acc, is_async=True)
     if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
         _share_ds(ds, ds_byte, exchange, i, CONSUMER)
-
-    dot_view = stages.dot.index(stage).permute((1, 0))
-    dv_acc = warpgroup_mma(p8, dot_view, dv_acc, is_async=True)
+    dv_acc, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, p16, dot_view))
+    # dK's FP8 wgmma starts from a fresh accumulator, added in fp32: FP8 wgmma truncates each add
+    # against the running sum's exponent, a bias towards zero that grows with the steps (heavy-tailed
+    # inputs' dK missed the 2e-2 bar so; an FP8 dV chained so shrank a QK-norm LM's dV and cost its training).
     qt_view = stages.qt.index(stage).permute((1, 0))
     dk_tile = warpgroup_mma(_as_query_operand(ds8, a_layout), qt_view, o_zero, use_acc=False, is_async=True)
-    dv_acc, dk_tile, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, dk_tile, dot_view, qt_view))
-    # dK from a fresh accumulator, added in fp32: chained FP8 wgmma accumulation truncates the
-    # small steps against a large running dK (heavy-tailed inputs' dK missed the 2e-2 bar so).
+    dk_tile, _ = warpgroup_mma_wait(0, deps=(dk_tile, qt_view))
     dk_acc = dk_acc * rescale + dk_tile
     mbarrier.arrive(stages.empty.index(stage), count=1)
     return dk_acc, dv_acc, ds_byte
@@ -772,7 +784,8 @@ def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batc
                            mask=key_rows < len_k, other=0.0)
     dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
     dk_out = dk_rows.to(grads.dk.dtype.element_ty)
-    dv_out = (dv_acc * dv_scale[None, :]).to(grads.dv.dtype.element_ty)
+    dv_rows = gl.convert_layout(dv_acc, o_layout, assert_trivial=True) * dv_scale[None, :]
+    dv_out = dv_rows.to(grads.dv.dtype.element_ty)
     # Through this consumer's K and V buffers, free after the last step's wgmmas.
     first_row = ((k_start + key0) * HEADS_KV + kv_head) * D
     layout.gluon_store_rows_through(dk_out, grads.dk + first_row, HEADS_KV * D, len_k - key0, k_smem)
@@ -810,8 +823,8 @@ def _attention_backward_kernel(
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
     # next piece is written to the other; two allocations, not one of two slots, so that the
     # compiler sees the store does not race the add and adds no barrier of its own.
-    dq_even = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, DQ_PIECE], dq_desc.layout)
-    dq_odd = gl.allocate_shared_memory(dq_desc.dtype, [BLOCK_M, DQ_PIECE], dq_desc.layout)
+    dq_even = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+    dq_odd = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
     # Each consumer's [32, 4] exchange of its warps' |dS| maxima (_tile_amax).
     amax_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS * 32, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -868,13 +881,22 @@ def _padded_row_vectors(prep: Prepared) -> TensorDescriptor:
     return TensorDescriptor(vectors, list(vectors.shape), [vectors.shape[1], 1], box, VECTOR_BOX_LAYOUT.value)
 
 
+def dq_piece(prep: Prepared, dq_dtype: torch.dtype) -> int:
+    """Columns of the kernel's dQ pieces: ``DQ_PIECE``, or half of it with exact scores and fp32 sums, whose
+    bf16 operand copies and 32-column fp32 staging buffers would need 528 bytes more shared memory than
+    Hopper's."""
+    exact = prep.k.feature.dtype == torch.bfloat16
+    return DQ_PIECE // 2 if exact and dq_dtype == torch.float32 else DQ_PIECE
+
+
 def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
     """The kernel's TMA descriptors, in its argument order: Q, Q^T, K, K^T, V, dO, dO^T (query tiles of
     ``BLOCK_M`` tokens, key tiles of one consumer's keys), the padded per-query vectors and
-    ``dq_accum`` (:func:`dq_accumulator`'s, ``[BLOCK_M, DQ_PIECE]`` boxes, swizzled by their row's bytes)."""
+    ``dq_accum`` (:func:`dq_accumulator`'s, ``[BLOCK_M, dq_piece]`` boxes, swizzled by their row's bytes)."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     dim, keys = prep.dim, KEYS_PER_CONSUMER.value
     feature, transposed = [BLOCK_M.value, dim], [dim, BLOCK_M.value]
+    piece = dq_piece(prep, dq_accum.dtype)
     return (
         operand_descriptor(q.feature.view(prep.total_q, -1), feature),
         operand_descriptor(q.sequence.view(prep.heads_q * dim, -1), transposed),
@@ -884,8 +906,8 @@ def _descriptors(prep: Prepared, dq_accum: torch.Tensor) -> tuple:
         operand_descriptor(do.feature.view(prep.total_q, -1), feature),
         operand_descriptor(do.sequence.view(prep.heads_q * dim, -1), transposed),
         _padded_row_vectors(prep),
-        TensorDescriptor.from_tensor(dq_accum.view(dq_accum.shape[0], -1), [BLOCK_M.value, DQ_PIECE.value],
-                                     gl.NVMMASharedLayout(swizzle_byte_width=DQ_PIECE.value * dq_accum.element_size(),
+        TensorDescriptor.from_tensor(dq_accum.view(dq_accum.shape[0], -1), [BLOCK_M.value, piece],
+                                     gl.NVMMASharedLayout(swizzle_byte_width=piece * dq_accum.element_size(),
                                                           element_bitwidth=8 * dq_accum.element_size(), rank=2)),
     )
 
@@ -895,11 +917,15 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     """dK, dV into ``dk``, ``dv`` and, with ``accumulate_dq``, dQ added into ``dq_accum``
     (:func:`dq_accumulator`'s); without ``accumulate_dq`` it is never touched (one without ``adds`` serves
     its descriptor).
-    ``prep`` is the producers' output (:class:`Prepared`), made with ``query_order=PV_ORDER`` and, with
-    ``accumulate_dq``, ``key_order=DS_ORDER`` (``layout``'s token orders)."""
-    if prep.query_order != layout.PV_ORDER or (accumulate_dq and prep.key_order != layout.DS_ORDER):
-        raise ValueError("the Gluon kernel reads Q^T and dO^T in PV_ORDER and, for dQ, K^T in DS_ORDER; "
-                         f"got query_order={prep.query_order}, key_order={prep.key_order}")
+    ``prep`` is the producers' output (:class:`Prepared`), made with :func:`preparation`'s token orders
+    and dO^T dtype (K^T's order matters only with ``accumulate_dq``)."""
+    wanted = preparation()
+    got = dict(query_order=prep.query_order, do_order=prep.do_order, do_sequence_dtype=prep.do.sequence.dtype)
+    if accumulate_dq:
+        got["key_order"] = prep.key_order
+    if any(value != wanted[name] for name, value in got.items()):
+        raise ValueError("the Gluon kernel reads Q^T in PV_ORDER, dO^T as fp16 in NATURAL_ORDER and, for dQ, K^T in "
+                         f"DS_ORDER (Prepared(**preparation())); got {got}")
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, prep.total_q, BLOCK_N.value, causal=causal,
                      rows_are_queries=False)
     items = work.shape[0] * prep.heads_kv
@@ -947,11 +973,12 @@ def program_count(items: int, prep: Prepared, causal: bool, device: torch.device
 
 
 def preparation(deterministic: bool = False) -> dict:
-    """What :class:`Prepared` makes for this kernel: Q^T and dO^T in ``PV_ORDER``, K^T in ``DS_ORDER``
-    (natural order when deterministic: the portable dQ kernel reads it then, this kernel not), and the
-    padded per-query vectors."""
+    """What :class:`Prepared` makes for this kernel: Q^T in ``PV_ORDER``, dO^T as fp16 in natural order
+    (dV's fp16 wgmma), K^T in ``DS_ORDER`` (natural order when deterministic: the portable dQ kernel reads
+    it then, this kernel not), and the padded per-query vectors."""
     key_order = layout.NATURAL_ORDER if deterministic else layout.DS_ORDER
-    return dict(query_order=layout.PV_ORDER, key_order=key_order, row_vectors=True)
+    return dict(query_order=layout.PV_ORDER, key_order=key_order, do_order=layout.NATURAL_ORDER,
+                do_sequence_dtype=torch.float16, row_vectors=True)
 
 
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
