@@ -29,12 +29,13 @@ every step (as the kernel's FP8 dV once was). ``--dk-only`` runs just these.
 
 ``--dv-drift`` models dV = P^T dO summed the same two ways (chained over every step, as the kernel's
 FP8 dV did before its fp16 wgmma, or a fresh accumulator per step) on flat causal attention, as a
-QK-norm model's layers have it (unit-norm q and k times sqrt(D), scores of spread ``--sigma``; one sequence per length in
-``--lengths``, four query heads on one KV head), and prints each sum's shrink (alpha, the least-squares
-factor of dV on the exact one: a systematic bias towards zero, which rel-L2 barely shows) and rel-L2
-against exact dV of the unrounded inputs. The model's shrink is far larger than the H200's (chained:
-1.2e-2 at 4k keys here; the kernel's FP8 dV was 3-5e-4 below the reference backend's on batches of 4k-8k
-keys): its 13-bit truncation of every add gets the bias's direction, not its size.
+QK-norm model's layers have it (unit-norm q and k times sqrt(D), scores of spread ``--sigma``; one
+sequence per length in ``--lengths``, four query heads on one KV head), and prints each sum's shrink
+(alpha, the least-squares factor of dV on the exact one: a systematic bias towards zero, which rel-L2
+barely shows) and rel-L2 against exact dV of the unrounded inputs. The model's shrink is far larger
+than the H200's (chained: 1.2e-2 at 4k keys here; the kernel's FP8 dV was 3-5e-4 below the reference
+backend's on batches of 4k-8k keys): its 13-bit truncation of every add gets the bias's direction,
+not its size.
 """
 
 from __future__ import annotations

@@ -533,15 +533,15 @@ def test_fp16_do_copy_holds_the_e4m3_values():
 def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, in_turn,
                                                               dq_dtype):
     """FP8 wgmma for dK and dQ, fp16 wgmma for dV (P^T's e4m3 values and dS^T straight from registers),
-    S^T and dP^T by bf16 wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ) beside two consumer
-    warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated, in either dtype of its
-    sums (the dQ loop spill-free with bf16 ones); and no wgmma
-    serialized by ptxas, which it does to every wgmma of the kernel when one partition is short of
-    registers (note C7512: 23.9 against 21.7 ms on an H200); and no shuffle reductions: each
-    consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``; gl.max's shuffle
-    rounds were 17% of the consumers' stall samples); one item a program, the unmasked steps' loop
-    selects nothing (a mask's 32 predicated selects, or a branch around it, cost every step). The
-    descriptors are the launcher's own, built on the host."""
+    S^T and dP^T by bf16 wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ)
+    beside two consumer warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated,
+    in either dtype of its sums (the dQ loop spill-free with bf16 ones), in pieces that fit the shared
+    memory (``dq_piece``); and no wgmma serialized by ptxas, which it does to every wgmma of the kernel
+    when one partition is short of registers (note C7512: 23.9 against 21.7 ms on an H200); and no
+    shuffle reductions: each consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``;
+    gl.max's shuffle rounds were 17% of the consumers' stall samples); one item a program, the unmasked
+    steps' loop selects nothing (a mask's 32 predicated selects, or a branch around it, cost every
+    step). The descriptors are the launcher's own, built on the host."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([70], [90], 8, 2, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, dim**-0.5)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,

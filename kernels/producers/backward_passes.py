@@ -19,8 +19,9 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
   padded_total]`` with sequence ``b`` at padded row ``padded_seq_start``, so that the sequence axis is
   contiguous (K-major), as FP8 MMAs need for both operands, with the tokens of each slot in a
   ``layout`` token order. dO's may instead hold its e4m3 values as fp16 (``do_sequence_dtype``), for
-  the Hopper kernel's fp16 dV wgmma, whose fp32 accumulation chains over the steps unbiased. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there; the
-  producer writes them in full, zeros past the end, so the kernels read these tiles without masks.
+  the Hopper kernel's fp16 dV wgmma, whose fp32 accumulation chains over the steps unbiased. Each
+  sequence owns ``ceil(L / 128)`` whole 128-token slots there; the producer writes them in full, zeros
+  past the end, so the kernels read these tiles without masks.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
   a program has reduced so far: the accumulator is rescaled by an exact power of two <= 1 when the
   maximum grows, never overflows, and tiles far below the maximum (whose contribution is as far below)
@@ -132,7 +133,7 @@ def _sequence_amax_kernel(
 def _quantize_kernel(
     x_ptr, offsets_ptr, tiles_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
-    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3 (or fp16) [H, D, padded]
+    amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3/fp16 [H, D, padded]
     out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
     rows_ptr,  # fp32 [ROW_VECTORS, H, padded]: per-query vectors in padded slots (the Hopper kernel's)
     total, padded, batch,
