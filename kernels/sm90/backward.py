@@ -101,8 +101,8 @@ VECTORS_PER_LOAD = gl.constexpr(2)
 # consumers (VECTOR_LAYOUT) and written a [VECTORS_PER_LOAD, BLOCK_M] box at a time by TMA (VECTOR_BOX_LAYOUT).
 VECTOR_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 VECTOR_BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-# Columns of one dQ reduce-add box (the piece's accumulator: 16 registers), the kernel's from its dQ
-# descriptor's box (dq_piece).
+# Columns of one dQ reduce-add box (the piece's accumulator: 16 registers); ``dq_piece`` halves it where
+# shared memory is short, and the kernel takes the width from its dQ descriptor's box.
 DQ_PIECE = 32
 # dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
 # keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
@@ -154,7 +154,7 @@ def short_programs(prep: Prepared) -> bool:
 @aggregate
 class QueryStages:
     """The ring of query-side stages the default warpgroup fills and the consumers drain: per stage
-    Q and dO on the feature axis (``[BLOCK_M, D]``), Q^T and dO^T on the sequence axis
+    Q and dO on the feature axis (``[BLOCK_M, D]``), Q^T (e4m3) and dO^T (fp16) on the sequence axis
     (``[D, BLOCK_M]``), ``ROW_VECTORS`` per-query vectors (``rows``, ``[STAGES * ROW_VECTORS,
     BLOCK_M]``); ``q_ready`` / ``do_ready`` signal Q's and dO's loads, ``empty`` both consumers'
     release."""
@@ -381,7 +381,7 @@ def _load_step(i, head, m0, q_desc, qt_desc, do_desc, dot_desc, rows_desc, stage
 def _as_query_operand(x, operand_layout: gl.constexpr):
     """An e4m3 ``[keys, BLOCK_M]`` tile in S^T's accumulator layout as the A operand of a wgmma
     reducing over queries, with no data movement: the query bits are reordered as
-    ``layout.pv_key_slot`` orders the tokens of Q^T and dO^T."""
+    ``layout.pv_key_slot`` orders the tokens of Q^T (dK's wgmma)."""
     return gl.convert_layout(layout.gluon_columns_in_key_order(x, QUERY_DIMS), operand_layout, assert_trivial=True)
 
 
