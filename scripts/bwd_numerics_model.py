@@ -165,15 +165,10 @@ def dv_drift(length: int, sigma: float, seed: int) -> dict[str, tuple[float, flo
     """{summation: (alpha, rel-L2)} of dV on one flat causal sequence (``--dv-drift``): P on its static
     scale and dO along the sequence rounded as the kernel rounds them, then summed by
     :func:`chained_key_product` with a fresh accumulator per step or chained over all of them."""
-    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     dim = 128
-
-    def unit(heads):
-        x = torch.randn(length, heads, dim, dtype=torch.float64, generator=generator)
-        return x / x.norm(dim=-1, keepdim=True) * dim**0.5
-
-    q, k = unit(GROUP) * sigma, unit(1).expand(length, GROUP, dim)
-    dout = torch.randn(length, GROUP, dim, dtype=torch.float64, generator=generator)
+    q, k, _, dout, _, _ = make_inputs([length], [length], GROUP, 1, dim, kind="flat")
+    q, k, dout = q.double() * sigma, k.double().expand(length, GROUP, dim), dout.double()
     scores = torch.einsum(SCORE_PRODUCT, q, k) * dim**-0.5
     p = torch.softmax(scores.masked_fill(~reference.visible_mask(length, length, True, "cpu"), -torch.inf), -1)
     exact = torch.einsum(KEY_PRODUCT, p, dout).sum(1)

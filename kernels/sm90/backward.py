@@ -737,19 +737,15 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     if onto_new_scale != 1.0:
         ds = ds * onto_new_scale
     ds8 = ds.to(gl.float8e4nv)
-    # dV chains in an fp16 wgmma on P^T's e4m3 values (exact in fp16; S^T's accumulator registers are
-    # its A operand as they are), which accumulates in fp32. Issued before dS is published and waited
-    # for before dK's wgmma: P^T's 16 registers and dK's fresh tile are never live together (both at
-    # once spill).
+    # dV's fp16 wgmma (see the module docstring), issued before dS is published and waited for before
+    # dK's: P^T's 16 operand registers and dK's fresh tile are never live together (both at once spill).
     p16 = gl.convert_layout(p.to(gl.float8e4nv).to(gl.float16), dv_a_layout, assert_trivial=True)
     dot_view = stages.dot.index(stage).permute((1, 0))
     dv_acc = warpgroup_mma(p16, dot_view, dv_acc, is_async=True)
     if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
         _share_ds(ds, ds_byte, exchange, i, CONSUMER)
     dv_acc, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, p16, dot_view))
-    # dK's FP8 wgmma starts from a fresh accumulator, added in fp32: FP8 wgmma truncates each add
-    # against the running sum's exponent, a bias towards zero that grows with the steps (heavy-tailed
-    # inputs' dK missed the 2e-2 bar so; an FP8 dV chained so shrank a QK-norm LM's dV and cost its training).
+    # dK from a fresh FP8 accumulator, added in fp32 (chained, heavy-tailed inputs' dK missed the 2e-2 bar).
     qt_view = stages.qt.index(stage).permute((1, 0))
     dk_tile = warpgroup_mma(_as_query_operand(ds8, a_layout), qt_view, o_zero, use_acc=False, is_async=True)
     dk_tile, _ = warpgroup_mma_wait(0, deps=(dk_tile, qt_view))
