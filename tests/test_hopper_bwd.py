@@ -877,6 +877,29 @@ def test_gpu_dv_is_not_shrunk_on_long_flat_causal_attention():
 
 
 @pytest.mark.gpu
+def test_gpu_large_key_scales_keep_ds_finite():
+    """K 2^20 larger and Q 2^20 smaller (the same scores; K's token scales past 2^10, so dS's per-key
+    factors reach 4 and more) and dO 2^-40 smaller: the gradients are the unscaled call's, scaled, with
+    no NaN. In a causal tile the second consumer's keys see none of the first query tile, whose dS
+    maximum is 0, so its running scale stays where it started; started at the smallest normal, such a
+    key's factor times the scale's would overflow fp32 and 0 * inf be NaN (``_first_ds_byte``)."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([0, 1, 33, 129, 700], [0, 1, 33, 129, 700], 4, 2, 128,
+                                                      device="cuda", dtype=torch.bfloat16)
+    scale = 128**-0.5
+    shift_k, shift_do = 2.0**20, 2.0**-40
+    grads = {}
+    for shifted in (False, True):
+        qs, ks, ds = (q / shift_k, k * shift_k, dout * shift_do) if shifted else (q, k, dout)
+        out, lse = forward_of(qs, ks, v, offsets_q, offsets_k, True, scale)
+        grads[shifted] = run_backward(qs, ks, v, ds, out, lse, offsets_q, offsets_k, True, scale, scores="fp8")
+    for name, g, g0, factor in zip(("dq", "dk", "dv"), grads[True], grads[False],
+                                   (shift_do * shift_k, shift_do / shift_k, shift_do)):
+        assert torch.isfinite(g).all(), f"{name}: NaN or inf"
+        error = rel_l2(g.float() / factor, g0.float())
+        assert error < 1e-2, f"{name}: rel-L2 {error:.3e} against the unscaled call's"
+
+
+@pytest.mark.gpu
 def test_gpu_mxfp8_vs_bf16_gradients():
     """How far MXFP8 gradients are from fp64, next to BF16 attention's (torch SDPA) gradients."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa

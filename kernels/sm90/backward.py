@@ -116,11 +116,6 @@ BF16_DQ_MAX_KEYS = 16384
 # meet the bound, which moves consumer 1's product by at most 2^24 * 2^-100 * scale0: nothing at
 # the scale of consumer 0's product, to which it is added.
 MAX_SCALE_RATIO = gl.constexpr(2.0**100)
-# The consumers form dS' times the scale factor of the running dS scale before its tile maximum is
-# known, but never times more than 2^32 (this byte): while the running scale is still far below the
-# tile's values (it starts at the smallest normal), 2^126 would overflow fp32; with 2^32, dS' may
-# reach 2^96 (~8e28) before it does.
-DS_PRESCALE_BYTE = gl.constexpr(127 - 32)
 # The dS exchange buffers' swizzle (their 64-byte rows): e4m3 for the dQ wgmmas, 16-bit key pairs for the
 # consumers' stores (_share_ds).
 DS_SWIZZLE_BYTES = gl.constexpr(64)
@@ -386,17 +381,17 @@ def _as_query_operand(x, operand_layout: gl.constexpr):
 
 
 @gluon.jit
-def _published_key_pairs(ds):
-    """dS^T ``[keys, BLOCK_M]`` (fp32, S^T's accumulator layout) as dS ``[BLOCK_M, keys / 2]`` of int16
-    e4m3 pairs: keys r and r + 8 of each 16 in one pair (r in the low byte), the ``layout.ds_key_slot``
-    order of dS's key-contiguous rows. A thread holds both keys of a pair (rows r and r + 8 of its
-    warp's 16), so one ``cvt`` packs each pair and no bytes move between registers."""
-    KEYS: gl.constexpr = ds.shape[0]
+def _published_key_pairs(ds8):
+    """dS^T ``[keys, BLOCK_M]`` (e4m3, S^T's accumulator layout) as dS ``[BLOCK_M, keys / 2]`` of int16 e4m3
+    pairs: keys r and r + 8 of each 16 in one pair (r in the low byte), the ``layout.ds_key_slot`` order of
+    dS's key-contiguous rows. A thread holds both keys of a pair (rows r and r + 8 of its warp's 16), so one
+    byte permute makes two pairs of the bytes its conversion to e4m3 packed for dK's wgmma."""
+    KEYS: gl.constexpr = ds8.shape[0]
     # rows: (warp, register bit: r or r + 8, lane bits 2-4)
-    split = ds.reshape([KEYS // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1))
+    split = ds8.to(gl.int8, bitcast=True).reshape([KEYS // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1))
     low, high = split.split()
-    pairs = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [low, high],
-                                      dtype=gl.int16, is_pure=True, pack=1)
+    pairs = gl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;", "=r,=r,r,r",
+                                      [low, high], dtype=gl.int16, is_pure=True, pack=4)
     return pairs.reshape([KEYS // 2, BLOCK_M]).permute((1, 0))
 
 
@@ -416,13 +411,13 @@ def _shared_scalar(smem):
 
 
 @gluon.jit
-def _share_ds(ds, ds_byte, exchange, i, CONSUMER: gl.constexpr):
-    """Publish this warpgroup's dS (fp32 dS^T on the running scale ``ds_byte``) as e4m3, queries x keys,
+def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
+    """Publish this warpgroup's dS (e4m3 dS^T on the running scale ``ds_byte``), queries x keys,
     keys contiguous (FP8 wgmma reads only K-major operands), and its scale (``[1]``) in buffer i % 2 for
     the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
-    pairs = _published_key_pairs(ds)
+    pairs = _published_key_pairs(ds8)
     mbarrier.wait(exchange.free.index(buffer), ((i // 2) & 1) ^ 1)
     pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=16,
                                                      rank=2)
@@ -520,16 +515,19 @@ def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_de
 
 
 @gluon.jit
-def _tile_amax(x, exchange_smem):
-    """max |x| over a consumer's ``[KEYS_PER_CONSUMER, BLOCK_M]`` tile in the wgmma accumulator
-    layout, with one barrier and no shuffles: each thread's maximum (its registers split out by a
-    reshape: row bit 3 and column bits 0, 3-5), one ``redux.sync`` per warp on the bits (non-negative
-    floats order as integers), the four warps' maxima through ``exchange_smem`` (``[32, 4]`` int32,
-    lane x warp). ``gl.max`` over both axes took five shuffle rounds and two barriers (a large share of
-    the consumers' stall samples in ncu)."""
+def _tile_amax(x, row_factor, exchange_smem):
+    """max over a consumer's ``[KEYS_PER_CONSUMER, BLOCK_M]`` tile (wgmma accumulator layout) of ``row_factor``
+    (``[KEYS_PER_CONSUMER]``, >= 0) times each row's max |x|, with one barrier and no shuffles: each thread's
+    row maxima (its registers split out by a reshape: row bit 3 and column bits 0, 3-5) times their factors,
+    one ``redux.sync`` per warp on the bits (non-negative floats order as integers), the four warps' maxima
+    through ``exchange_smem`` (``[32, 4]`` int32, lane x warp). ``gl.max`` over both axes took five shuffle
+    rounds and two barriers (a large share of the consumers' stall samples in ncu)."""
     gl.static_assert((x.shape[0] == 64) & (x.shape[1] == 64), "the register split assumes an m64n64 tile")
     # rows: (warp, register, lane bits 2-4); columns: (register, lane bits 0-1, register)
-    per_thread = gl.max(gl.max(gl.max(gl.abs(x).reshape([4, 2, 8, 8, 4, 2]), axis=5), axis=3), axis=1)
+    row_maxima = gl.max(gl.max(gl.abs(x).reshape([4, 2, 8, 8, 4, 2]), axis=5), axis=3)
+    factors = gl.convert_layout(row_factor.reshape([4, 2, 8]), gl.SliceLayout(3, row_maxima.type.layout),
+                                assert_trivial=True)
+    per_thread = gl.max(row_maxima * gl.expand_dims(factors, 3), axis=1)
     lane_by_warp: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [1, 0])
     per_thread = gl.convert_layout(per_thread.permute((1, 2, 0)).reshape([32, 4]), lane_by_warp, assert_trivial=True)
     per_warp = gl.inline_asm_elementwise("redux.sync.max.s32 $0, $1, 0xffffffff;", "=r,r",
@@ -539,6 +537,20 @@ def _tile_amax(x, exchange_smem):
     every_warp: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])  # lane 0's row, in every thread
     warps = exchange_smem.slice(0, 1, dim=0).load(every_warp)
     return gl.max(gl.max(warps, axis=1), axis=0).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _first_ds_byte(ds_factor, amax_smem):
+    """Where a consumer's running dS scale starts for keys of dS factors ``ds_factor`` (``[KEYS_PER_CONSUMER]``,
+    >= 0): the smallest normal's E8M0 byte, or the byte of the largest factor's power of two where that is
+    higher, so that every key's factor times the scale's (``layout.scale_factor``) stays finite in fp32 (a
+    tile whose dS is all zero keeps the scale where it was; in a causal item the second consumer's keys see
+    none of its first query tile, so the start is a scale the steps use). Only factors of 4 and more (K's
+    token scales of 2^10 and more) move it. The maximum is :func:`_tile_amax`'s."""
+    ones = gl.full([KEYS_PER_CONSUMER, BLOCK_M], 1.0, gl.float32, layout=layout.wgmma_accumulator_layout(BLOCK_M))
+    largest = _tile_amax(ones, ds_factor, amax_smem)
+    gl.thread_barrier()  # every warp has read the exchange before the first step writes it
+    return gl.maximum((largest.to(gl.int32, bitcast=True) >> 23) - 127, layout.SMALLEST_NORMAL_BYTE)
 
 
 @gluon.jit
@@ -641,7 +653,7 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     unmasked_steps = (m_end - m_lo) // BLOCK_M - masked_steps
     dk_acc = gl.zeros([KEYS, D], gl.float32, layout=o_layout)
     dv_acc = gl.zeros([KEYS, D], gl.float32, layout=layout.wgmma_accumulator_layout(D, 16))
-    ds_byte = layout.SMALLEST_NORMAL_BYTE
+    ds_byte = _first_ds_byte(ds_factor, amax_smem)
     mbarrier.wait(ready, kv_phase)
     # Loops counted from 0: Triton 3.6 built a loop from first_step from 0 in the consumers (the
     # ring's parities then split from the loader's, which hung the kernel).
@@ -727,15 +739,11 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     else:
         q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
         q_dp = (dp * key_rows.value[:, None]) * q_do_factor[None, :] - q_delta[None, :]
-    # dS' on the running scale so far (capped, see DS_PRESCALE_BYTE), moved onto the tile's new
-    # scale only when it grew: one multiply per element fewer in the common case.
-    prescale_byte = gl.maximum(ds_byte, DS_PRESCALE_BYTE)
-    ds = p * q_dp * (key_rows.ds * layout.scale_factor(prescale_byte))[:, None]
-    amax = _tile_amax(ds, amax_smem) * layout.scale_value(prescale_byte)
-    ds_byte, rescale = layout.grown_scale_byte(amax, ds_byte)
-    onto_new_scale = layout.byte_ratio(prescale_byte, ds_byte)
-    if onto_new_scale != 1.0:
-        ds = ds * onto_new_scale
+    # dS' = pq times each key's factor on the running scale, which the tile's maximum may grow first: the
+    # maximum takes the factor per row, so every element is multiplied once, by its key's final factor.
+    pq = p * q_dp
+    ds_byte, rescale = layout.grown_scale_byte(_tile_amax(pq, key_rows.ds, amax_smem), ds_byte)
+    ds = pq * (key_rows.ds * layout.scale_factor(ds_byte))[:, None]
     ds8 = ds.to(gl.float8e4nv)
     # dV's fp16 wgmma (see the module docstring), issued before dS is published and waited for before
     # dK's: P^T's 16 operand registers and dK's fresh tile are never live together (both at once spill).
@@ -743,7 +751,7 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     dot_view = stages.dot.index(stage).permute((1, 0))
     dv_acc = warpgroup_mma(p16, dot_view, dv_acc, is_async=True)
     if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
-        _share_ds(ds, ds_byte, exchange, i, CONSUMER)
+        _share_ds(ds8, ds_byte, exchange, i, CONSUMER)
     dv_acc, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, p16, dot_view))
     # dK from a fresh FP8 accumulator, added in fp32 (chained, heavy-tailed inputs' dK missed the 2e-2 bar).
     qt_view = stages.qt.index(stage).permute((1, 0))
