@@ -9,14 +9,14 @@ MLP], tied output head; AdamW with warm-up and cosine decay, float32 weights, bf
 Every ``--attn`` choice starts from the same initial weights and sees the same batches:
 
 * one of our backends (``hopper``, ``hopper-exact-scores``, ``block-scaled``, ``reference``): ``jagged_attention``
-  (with ``--center-kv`` or a ``+c`` suffix: K and V quantized as offsets from their per-sequence means; ``+d``:
+  (with a ``+c`` suffix, e.g. ``hopper+c``: K and V quantized as offsets from their per-sequence means; ``+d``:
   the deterministic backward);
 * ``varlen``: torch ``varlen_attn`` in bf16 (FlashAttention-2);
 * ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` in bf16, where it imports;
 * ``FWD/BWD[:GRADS]``: a diagnostic hybrid, FWD's output with BWD's gradients (all, or those of the
   inputs in GRADS, e.g. ``varlen/hopper:q``: dQ from ``hopper``, dK and dV from ``varlen``).
 
-    python3 scripts/train_lm.py --attn hopper fa4 [--qk-norm] [--center-kv] [--steps 500] --out OUT_DIR
+    python3 scripts/train_lm.py --attn hopper hopper+c fa4 [--qk-norm] [--steps 500] --out OUT_DIR
 
 Prints the loss table (train loss, validation loss, median step time) last, writes ``train_lm.json``
 and, with matplotlib, ``train_lm.png`` (loss curves).
@@ -77,18 +77,17 @@ def packed_batches(docs: list[bytes], batch_tokens: int, seed: int) -> list[tupl
              offsets_from_lengths(torch.tensor([len(doc) for doc in batch]))) for batch in batches]
 
 
-def attention_function(name: str, center_kv: bool = False):
+def attention_function(name: str):
     """``attend(q, k, v, offsets, max_len) -> out`` (causal, ``[total, heads, head_dim]``) of an
     ``--attn`` choice: a backend of ours (``+c``: ``center_kv=True``, ``+d``: ``deterministic=True``), a
     BF16 peer, or ``FWD/BWD[:GRADS]``, a diagnostic hybrid (``hybrid_attention``)."""
     if "/" in name:
         forward_name, _, backward_name = name.partition("/")
         backward_name, _, grads = backward_name.partition(":")
-        return hybrid_attention(attention_function(forward_name, center_kv),
-                                attention_function(backward_name, center_kv), grads or "qkv")
+        return hybrid_attention(attention_function(forward_name), attention_function(backward_name), grads or "qkv")
     backend, *options = name.split("+")
     if backend in BACKENDS and set(options) <= {"c", "d"}:
-        center, deterministic = center_kv or "c" in options, "d" in options
+        center, deterministic = "c" in options, "d" in options
         return lambda q, k, v, offsets, max_len: ja.jagged_attention(
             q, k, v, offsets, causal=True, backend=backend, center_kv=center, deterministic=deterministic)
     if name == "varlen":
@@ -249,7 +248,7 @@ def train(attn: str, args, train_batches, val_batches, device) -> dict:
     """One run: losses every ``--log-every`` steps, final validation loss, median step time."""
     model, optimizer, schedule = training_setup(args, device)
     autocast = autocast_for(device)
-    attend = attention_function(attn, args.center_kv)
+    attend = attention_function(attn)
     log, times = [], []
     for step in range(args.steps):
         batch = [x.to(device) for x in train_batches[step % len(train_batches)]]  # the copy is not timed
@@ -299,7 +298,6 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--qk-norm", action="store_true")
-    parser.add_argument("--center-kv", action="store_true", help="our backends: jagged_attention(center_kv=True)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-tokens", type=int, default=65536)
     parser.add_argument("--max-doc", type=int, default=8192, help="bytes kept of each document")
@@ -326,7 +324,7 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     title = (f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {args.layers} layers, "
              f"d{args.head_dim}, {'QK-norm' if args.qk_norm else 'no QK-norm'}, "
-             f"{'centered K, V, ' if args.center_kv else ''}{args.steps} steps")
+             f"{args.steps} steps")
     with open(os.path.join(args.out, "train_lm.json"), "w") as f:
         json.dump(dict(title=title, args=vars(args), runs=runs), f, indent=1)
     plot(runs, os.path.join(args.out, "train_lm.png"), title)
