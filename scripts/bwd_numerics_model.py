@@ -164,10 +164,12 @@ def chained_key_product(weights: torch.Tensor, rows: torch.Tensor, flush_every: 
 def dv_drift(length: int, sigma: float, seed: int) -> dict[str, tuple[float, float]]:
     """{summation: (alpha, rel-L2)} of dV on one flat causal sequence (``--dv-drift``): P on its static
     scale and dO along the sequence rounded as the kernel rounds them, then summed by
-    :func:`chained_key_product` with a fresh accumulator per step or chained over all of them."""
-    torch.manual_seed(seed)
+    :func:`chained_key_product` with a fresh accumulator per step or chained over all of them. The draw
+    is ``seed``'s; the caller's random stream is left as it was."""
     dim = 128
-    q, k, _, dout, _, _ = make_inputs([length], [length], GROUP, 1, dim, kind="flat")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        q, k, _, dout, _, _ = make_inputs([length], [length], GROUP, 1, dim, kind="flat")
     q, k, dout = q.double() * sigma, k.double().expand(length, GROUP, dim), dout.double()
     scores = torch.einsum(SCORE_PRODUCT, q, k) * dim**-0.5
     p = torch.softmax(scores.masked_fill(~reference.visible_mask(length, length, True, "cpu"), -torch.inf), -1)
