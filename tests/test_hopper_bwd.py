@@ -471,17 +471,20 @@ def test_exact_score_copies_hold_the_mx_values():
     assert torch.equal(bf16.feature_scale, e4m3.feature_scale)
 
 
-@pytest.mark.parametrize("orders, accumulate_dq", [
-    (dict(), False), (dict(query_order=layout.PV_ORDER), True), (dict(key_order=layout.DS_ORDER), False),
-    (dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, do_order=layout.NATURAL_ORDER), True)])
-def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq):
+@pytest.mark.parametrize("orders, accumulate_dq, named", [
+    (dict(), False, "query_order is NATURAL_ORDER, it needs PV_ORDER"),
+    (dict(query_order=layout.PV_ORDER), True, "key_order is NATURAL_ORDER, it needs DS_ORDER"),
+    (dict(key_order=layout.DS_ORDER), False, "query_order is NATURAL_ORDER, it needs PV_ORDER"),
+    (dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, do_order=layout.NATURAL_ORDER), True,
+     "do_sequence_dtype is torch.float8_e4m3fn, it needs torch.float16")])
+def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq, named):
     """The Gluon kernel reads Q^T in ``PV_ORDER``, dO^T as fp16 in natural order and, when it accumulates
     dQ, K^T in ``DS_ORDER``: a producer output in other orders (or an e4m3 dO^T) would give wrong gradients,
-    so it is refused before any launch."""
+    so it is refused before any launch, the message naming each choice that differs by its name."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 70], [5, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
-    with pytest.raises(ValueError, match="PV_ORDER"):
+    with pytest.raises(ValueError, match=re.escape(named)):
         sm90_backward.launch(prep, torch.zeros(80, 2, 64), torch.empty_like(k), torch.empty_like(v),
                              softmax_scale=0.125, causal=False, accumulate_dq=accumulate_dq)
 

@@ -60,6 +60,7 @@ def key_order_dims(key_slot, bits: int = PV_KEY_BITS) -> list[int]:
 PV_KEY_DIMS = tl.constexpr(tuple(key_order_dims(pv_key_slot)))
 # Token orders of a sequence-axis copy inside each 128-token slot (``store_sequence_copy``).
 NATURAL_ORDER, PV_ORDER, DS_ORDER = (tl.constexpr(order) for order in range(3))
+ORDER_NAMES = ("NATURAL_ORDER", "PV_ORDER", "DS_ORDER")  # by value, for messages
 
 
 @gluon.constexpr_function

@@ -927,9 +927,10 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     got = dict(query_order=prep.query_order, do_order=prep.do_order, do_sequence_dtype=prep.do.sequence.dtype)
     if accumulate_dq:
         got["key_order"] = prep.key_order
-    if any(value != wanted[name] for name, value in got.items()):
-        raise ValueError("the Gluon kernel reads Q^T in PV_ORDER, dO^T as fp16 in NATURAL_ORDER and, for dQ, K^T in "
-                         f"DS_ORDER (Prepared(**preparation())); got {got}")
+    wrong = [f"{name} is {_shown(value)}, it needs {_shown(wanted[name])}" for name, value in got.items()
+             if value != wanted[name]]
+    if wrong:
+        raise ValueError("the Gluon kernel reads the copies Prepared(**preparation()) makes: " + "; ".join(wrong))
     work = work_list(prep.offsets_k, prep.offsets_q, prep.total_k, prep.total_q, BLOCK_N.value, causal=causal,
                      rows_are_queries=False)
     items = work.shape[0] * prep.heads_kv
@@ -944,6 +945,13 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
         IN_TURN=programs < items, num_warps=4,
         **tile_config(prep.dim),
     )
+
+
+def _shown(choice) -> str:
+    """A :func:`preparation` value as a message names it: a token order by its ``layout`` name."""
+    if isinstance(choice, torch.dtype):
+        return str(choice)
+    return layout.ORDER_NAMES[int(getattr(choice, "value", choice))]
 
 
 def dq_accum_dtype(prep: Prepared) -> torch.dtype:
