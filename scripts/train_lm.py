@@ -19,7 +19,15 @@ Every ``--attn`` choice starts from the same initial weights and sees the same b
     python3 scripts/train_lm.py --attn hopper hopper+c fa4 [--qk-norm] [--steps 500] --out OUT_DIR
 
 Prints the loss table (train loss, validation loss, median step time) last, writes ``train_lm.json``
-and, with matplotlib, ``train_lm.png`` (loss curves).
+(with the code's version, as ``bench.py`` names it) and, with matplotlib, ``train_lm.png`` (loss curves).
+
+Every attention adds its gradients in an order that varies from run to run (dQ by atomics or reduce-adds),
+so two runs of one configuration part within a few dozen steps and end up to ~0.03 nats apart: one run
+a side cannot hold a 0.01-nat comparison. ``--summarize`` reads the JSONs of several runs (separate
+processes, separate device calls) and prints, per configuration and seed, each attention's mean and spread
+and its difference from the BF16 peers' pooled mean, with that difference's standard error:
+
+    python3 scripts/train_lm.py --summarize docs/train/*.json
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jagged_attn as ja
+from bench import git_version
 from jagged_attn.backends import BACKENDS
 from jagged_attn.offsets import offsets_from_lengths
 
@@ -288,6 +297,58 @@ def plot(runs, path, title):
     figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
+# Arguments that do not change what a run computes: runs differing only in these are one configuration.
+NOT_CONFIGURATION = ("attn", "out", "device", "log_every", "summarize")
+
+
+def configuration(args: dict) -> dict:
+    """What a run's saved ``args`` say it computed, for grouping runs: without ``NOT_CONFIGURATION``,
+    and without the options of older versions of this script that are off (falsy), which then ran as
+    the current script does."""
+    current = vars(parse_args([]))
+    return {k: v for k, v in sorted(args.items()) if k not in NOT_CONFIGURATION and (k in current or v)}
+
+
+def summary(results: list[dict]) -> str:
+    """The ``--summarize`` table of ``train_lm.json`` contents ``results``: their runs grouped by
+    :func:`configuration` (the seed included), then by attention, ours also by the digest of the code that
+    ran (the JSON's ``version``: runs of other code are other rows). Per attention the runs' count, mean
+    validation loss and sample standard deviation; per attention other than the BF16 peers
+    (``BF16_PEERS``, pooled) its mean less theirs, with the difference's standard error
+    sqrt(s1^2 / n1 + s2^2 / n2) where both sides have two runs or more."""
+    defaults = vars(parse_args([]))
+    groups: dict[str, dict[str, list[float]]] = {}
+    for result in results:
+        config = configuration(result["args"])
+        others = {k: v for k, v in config.items() if k not in ("qk_norm", "seed") and defaults.get(k) != v}
+        label = (f"{'QK-norm' if config.get('qk_norm') else 'no QK-norm'}, seed {config.get('seed')}"
+                 + "".join(f", {k} {v}" for k, v in others.items()))
+        code = result.get("version", "").partition("src:")[2]  # our code's digest (older JSONs have none)
+        for run in result["runs"]:
+            name = run["attn"] if run["attn"] in BF16_PEERS or not code else f"{run['attn']} src:{code}"
+            groups.setdefault(label, {}).setdefault(name, []).append(run["validation_loss"])
+    lines = []
+    for label, by_attn in groups.items():
+        lines += ["", f"== {label}", f"{'attention':24s} {'runs':>4s} {'mean':>8s} {'sd':>8s}  validation losses"]
+        peers = [name for name in BF16_PEERS if name in by_attn]
+        pooled = [x for name in peers for x in by_attn[name]]
+        rows = list(by_attn.items()) + ([(f"BF16 ({', '.join(peers)})", pooled)] if pooled else [])
+        for name, values in rows:
+            sd = f"{statistics.stdev(values):8.4f}" if len(values) > 1 else f"{'-':>8s}"
+            lines.append(f"{name:24s} {len(values):4d} {statistics.fmean(values):8.4f} {sd}  "
+                         + " ".join(f"{x:.4f}" for x in values))
+        for name, values in by_attn.items():
+            if name in BF16_PEERS or not pooled:
+                continue
+            difference = statistics.fmean(values) - statistics.fmean(pooled)
+            error = "-"
+            if len(values) > 1 and len(pooled) > 1:
+                spread = statistics.variance(values) / len(values) + statistics.variance(pooled) / len(pooled)
+                error = f"{math.sqrt(spread):.4f}"
+            lines.append(f"{name} - BF16: {difference:+.4f} (standard error {error})")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attn", nargs="+", default=["hopper", "varlen"])
@@ -307,11 +368,20 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="train_lm_out")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="train nothing: summarize these train_lm.json files (mean, spread, difference from BF16)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.summarize:
+        results = []
+        for path in args.summarize:
+            with open(path) as f:
+                results.append(json.load(f))
+        print(summary(results))
+        return [run for result in results for run in result["runs"]]
     device = torch.device(args.device)
     train_docs, val_docs = documents(args.max_doc, args.max_files)
     train_batches = packed_batches(train_docs, args.batch_tokens, args.seed)
@@ -326,7 +396,7 @@ def main(argv=None) -> list[dict]:
              f"d{args.head_dim}, {'QK-norm' if args.qk_norm else 'no QK-norm'}, "
              f"{args.steps} steps")
     with open(os.path.join(args.out, "train_lm.json"), "w") as f:
-        json.dump(dict(title=title, args=vars(args), runs=runs), f, indent=1)
+        json.dump(dict(title=title, version=git_version(), args=vars(args), runs=runs), f, indent=1)
     plot(runs, os.path.join(args.out, "train_lm.png"), title)
     print(f"\n{title}\n{'attention':14s} {'final train':>12s} {'validation':>11s} {'step ms':>8s}")
     for run in runs:

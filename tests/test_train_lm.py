@@ -52,6 +52,43 @@ def test_a_few_steps_lower_the_loss(tmp_path):
     assert min(losses[-4:]) < losses[0] - 1.0
     saved = json.loads((tmp_path / "train_lm.json").read_text())
     assert saved["runs"][0]["validation_loss"] == run["validation_loss"]
+    assert "src:" in saved["version"]
+
+
+def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_difference_from_bf16(tmp_path, capsys):
+    """``--summarize``: runs of one configuration and seed pool (whatever process or file they came from),
+    another seed or ``--qk-norm`` is another group, an older JSON's option that was off (``center_kv``) or a
+    JSON without a version joins as the current script would have run it, our runs of other code are
+    another row, and the BF16 peers pool into one mean that each of ours is compared with."""
+    args = vars(train_lm.parse_args([]))
+
+    def saved(name, runs, version="v1 src:aaaa", **changes):
+        content = dict(title="t", args=dict(args, **changes), runs=[dict(attn=a, validation_loss=x) for a, x in runs])
+        if version is not None:
+            content["version"] = version
+        (tmp_path / name).write_text(json.dumps(content))
+        return str(tmp_path / name)
+
+    files = [saved("a.json", [("hopper", 1.00), ("varlen", 1.03)]),
+             saved("b.json", [("hopper", 1.02), ("fa4", 1.01)], version="v2-dirty src:aaaa", center_kv=False),
+             saved("c.json", [("varlen", 1.02)], version=None),
+             saved("d.json", [("hopper", 1.50)], version="v0 src:bbbb"),
+             saved("e.json", [("hopper", 2.00), ("varlen", 2.10)], seed=1),
+             saved("f.json", [("hopper", 3.00)], qk_norm=True)]
+    train_lm.main(["--summarize", *files])
+    text = capsys.readouterr().out
+    groups = {block.splitlines()[0]: block for block in text.split("\n== ")[1:]}
+    assert set(groups) == {"no QK-norm, seed 0", "no QK-norm, seed 1", "QK-norm, seed 0"}
+    seed0 = groups["no QK-norm, seed 0"]
+    rows = {line[:24].strip(): line[24:].split()[:3] for line in seed0.splitlines()[2:] if " - BF16" not in line}
+    assert rows["hopper src:aaaa"] == ["2", "1.0100", "0.0141"]
+    assert rows["hopper src:bbbb"] == ["1", "1.5000", "-"]
+    assert rows["BF16 (varlen, fa4)"] == ["3", "1.0200", "0.0100"]
+    error = math.sqrt(0.02**2 / 2 / 2 + 0.01**2 / 3)
+    assert f"hopper src:aaaa - BF16: -0.0100 (standard error {error:.4f})" in seed0
+    assert "hopper src:bbbb - BF16: +0.4800 (standard error -)" in seed0
+    assert "hopper src:aaaa - BF16: -0.1000 (standard error -)" in groups["no QK-norm, seed 1"]
+    assert "BF16" not in groups["QK-norm, seed 0"]  # no peer ran there: nothing to compare with
 
 
 def test_hybrid_attention_takes_its_output_from_one_attention_and_the_named_gradients_from_the_other():
