@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jagged_attn as ja
-from bench import git_version
+from bench import fa4_attention, fa4_import, git_version, varlen_causal_kwargs
 from jagged_attn.backends import BACKENDS
 from jagged_attn.offsets import offsets_from_lengths
 
@@ -100,7 +100,6 @@ def attention_function(name: str):
         return lambda q, k, v, offsets, max_len: ja.jagged_attention(
             q, k, v, offsets, causal=True, backend=backend, center_kv=center, deterministic=deterministic)
     if name == "varlen":
-        from bench import varlen_causal_kwargs
         from torch.nn.attention.varlen import varlen_attn
 
         options = varlen_causal_kwargs(True)
@@ -115,8 +114,6 @@ def attention_function(name: str):
 
         return attend
     if name == "fa4":
-        from bench import fa4_attention, fa4_import
-
         fa4, why = fa4_import()
         if fa4 is None:
             raise SystemExit(f"--attn fa4: FlashAttention-4 does not import here ({why})")
@@ -301,12 +298,11 @@ def plot(runs, path, title):
 NOT_CONFIGURATION = ("attn", "out", "device", "log_every", "summarize")
 
 
-def configuration(args: dict) -> dict:
+def configuration(args: dict, defaults: dict) -> dict:
     """What a run's saved ``args`` say it computed, for grouping runs: without ``NOT_CONFIGURATION``,
-    and without the options of older versions of this script that are off (falsy), which then ran as
-    the current script does."""
-    current = vars(parse_args([]))
-    return {k: v for k, v in sorted(args.items()) if k not in NOT_CONFIGURATION and (k in current or v)}
+    and without the options of older versions of this script (not in ``defaults``, the current
+    arguments' defaults) that are off (falsy), which then ran as the current script does."""
+    return {k: v for k, v in sorted(args.items()) if k not in NOT_CONFIGURATION and (k in defaults or v)}
 
 
 def summary(results: list[dict]) -> str:
@@ -319,7 +315,7 @@ def summary(results: list[dict]) -> str:
     defaults = vars(parse_args([]))
     groups: dict[str, dict[str, list[float]]] = {}
     for result in results:
-        config = configuration(result["args"])
+        config = configuration(result["args"], defaults)
         others = {k: v for k, v in config.items() if k not in ("qk_norm", "seed") and defaults.get(k) != v}
         label = (f"{'QK-norm' if config.get('qk_norm') else 'no QK-norm'}, seed {config.get('seed')}"
                  + "".join(f", {k} {v}" for k, v in others.items()))
