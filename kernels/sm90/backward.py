@@ -171,17 +171,19 @@ class QueryStages:
 @aggregate
 class DsExchange:
     """Each step's dS from the consumers to the dQ warpgroup, double-buffered: ``ds`` e4m3 ``[2 *
-    CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER]`` and ``scale`` fp32 ``[2 * CONSUMERS, 1]`` (buffer b,
-    consumer c at slot ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published into buffer b,
-    ``free[b]`` when the dQ warpgroup is done with it."""
+    CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER]`` and ``byte`` int32 ``[2 * CONSUMERS, 1]``, the dS scale's
+    E8M0 byte tagged with its step (``step << 8 | byte``; -1 before any step) (buffer b, consumer c at slot
+    ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published into buffer b, ``free[b]`` when the
+    dQ warpgroup is done with it. The consumers also read each other's tagged bytes, unsynchronized
+    (:func:`_other_byte`)."""
     ds: gl.shared_memory_descriptor
-    scale: gl.shared_memory_descriptor
+    byte: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     free: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, ds, scale, ready, free):
-        self.ds, self.scale, self.ready, self.free = ds, scale, ready, free
+    def __init__(self, ds, byte, ready, free):
+        self.ds, self.byte, self.ready, self.free = ds, byte, ready, free
 
 
 @aggregate
@@ -413,8 +415,8 @@ def _shared_scalar(smem):
 @gluon.jit
 def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     """Publish this warpgroup's dS (e4m3 dS^T on the running scale ``ds_byte``), queries x keys,
-    keys contiguous (FP8 wgmma reads only K-major operands), and its scale (``[1]``) in buffer i % 2 for
-    the dQ warpgroup's wgmmas."""
+    keys contiguous (FP8 wgmma reads only K-major operands), and its scale's byte tagged with the step
+    (``[1]``) in buffer i % 2 for the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
     pairs = _published_key_pairs(ds8)
@@ -422,39 +424,68 @@ def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=16,
                                                      rank=2)
     exchange.ds.index(slot)._reinterpret(gl.int16, [BLOCK_M, KEYS_PER_CONSUMER // 2], pair_layout).store(pairs)
-    exchange.scale.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
+    exchange.byte.index(slot).store(gl.full([1], 0, gl.int32, layout=EVERY_THREAD) + ((i << 8) | ds_byte))
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
     mbarrier.arrive(exchange.ready.index(buffer), count=1)
 
 
 @gluon.jit
+def _other_byte(exchange, i, item_first, CONSUMER: gl.constexpr):
+    """The other consumer's dS byte as last published in buffer (i + 1) % 2 where its tag is a step of this
+    item up to i (0 elsewhere), read without waiting: the running bytes only grow within an item, so any
+    such value is one the other's scale has reached, and taking it keeps both consumers' scales equal on
+    every step but those where one of them grows (so the dQ warpgroup chains their products). The
+    step's own tile still sets a floor, so nothing overflows."""
+    tagged = _shared_scalar(exchange.byte.index(((i + 1) % 2) * CONSUMERS + (1 - CONSUMER)))
+    step = tagged >> 8
+    return gl.where((step >= item_first) & (step <= i), tagged & 0xFF, 0)
+
+
+@gluon.jit
 def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
              D: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, a box of ``dq_desc`` (``dq_piece`` columns) at a time,
-    added into ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
-    accumulator chains both halves of the keys: consumer 0's product is brought to consumer 1's dS
-    scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
+    added into ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn.
+    Where both consumers' dS are on one scale (most steps: :func:`_other_byte`), each piece's two products
+    chain in one accumulator without a wait in between; elsewhere consumer 0's product is waited for and
+    brought to consumer 1's scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
+    buffer = i % 2
+    mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
+    byte0 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS)) & 0xFF
+    byte1 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS + 1)) & 0xFF
+    if byte0 == byte1:
+        _dq_pieces(buffer, 1.0, layout.scale_value(byte1), head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc,
+                   q_start, D, False)
+    else:
+        scale0 = layout.scale_value(byte0)
+        scale1 = gl.maximum(layout.scale_value(byte1), scale0 * (1.0 / MAX_SCALE_RATIO))
+        _dq_pieces(buffer, scale0 / scale1, scale1, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
+                   D, True)
+    mbarrier.arrive(exchange.free.index(buffer), count=1)
+
+
+@gluon.jit
+def _dq_pieces(buffer, ratio, scale1, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start, D: gl.constexpr,
+               RESCALED: gl.constexpr):
+    """:func:`_dq_step`'s pieces from dS buffer ``buffer``: consumer 0's product times ``ratio`` (RESCALED:
+    waited for first; else ``ratio`` is 1 and the two products chain), plus consumer 1's, times ``scale1``."""
     COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
     PIECES: gl.constexpr = D // COLUMNS
     piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(COLUMNS)
     zero = gl.zeros([BLOCK_M, COLUMNS], gl.float32, layout=piece_layout)
-    buffer = i % 2
-    mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
     ds0 = exchange.ds.index(buffer * CONSUMERS)
     ds1 = exchange.ds.index(buffer * CONSUMERS + 1)
-    scale0 = _shared_scalar(exchange.scale.index(buffer * CONSUMERS))
-    scale1 = gl.maximum(_shared_scalar(exchange.scale.index(buffer * CONSUMERS + 1)),
-                        scale0 * (1.0 / MAX_SCALE_RATIO))
-    ratio = scale0 / scale1
     for piece in gl.static_range(PIECES):
         k0 = kt_smem.index(0).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
         k1 = kt_smem.index(1).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
         part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
-        part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
-        part = warpgroup_mma(ds1, k1, part * ratio, is_async=True)
-        part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
+        if RESCALED:
+            part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
+            part = part * ratio
+        part = warpgroup_mma(ds1, k1, part, is_async=True)
+        part, _, _, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0, ds1, k1))
         staging = dq_even if piece % 2 == 0 else dq_odd
         staging.store((part * scale1).to(staging.dtype))
         fence_async_shared()
@@ -463,7 +494,6 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
         tma.store_wait(0)
         gl.thread_barrier()
         _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * COLUMNS], staging)
-    mbarrier.arrive(exchange.free.index(buffer), count=1)
 
 
 @gluon.jit
@@ -664,29 +694,29 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         # cross batches, docs/perf-history.md v38).
         head, m0 = tile.first_head, m_lo
         for j in range(tile.n_steps):
-            dk_acc, dv_acc, ds_byte = _key_step(first_step + j, m0, dk_acc, dv_acc, ds_byte, key_rows, stages,
-                                                exchange, amax_smem, softmax_scale, m0 < unmasked_from, CONSUMER,
-                                                D, STAGES, EXACT, ACCUMULATE_DQ, not CAUSAL)
+            dk_acc, dv_acc, ds_byte = _key_step(first_step + j, first_step, m0, dk_acc, dv_acc, ds_byte, key_rows,
+                                                stages, exchange, amax_smem, softmax_scale, m0 < unmasked_from,
+                                                CONSUMER, D, STAGES, EXACT, ACCUMULATE_DQ, not CAUSAL)
             head, m0 = _next_query_tile(head, m0, m_lo, m_end)
     else:
         i = first_step
         for _ in range(GROUP):
             for j in range(masked_steps):
-                dk_acc, dv_acc, ds_byte = _key_step(i, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte, key_rows,
-                                                    stages, exchange, amax_smem, softmax_scale, True, CONSUMER, D,
-                                                    STAGES, EXACT, ACCUMULATE_DQ, False)
+                dk_acc, dv_acc, ds_byte = _key_step(i, first_step, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte,
+                                                    key_rows, stages, exchange, amax_smem, softmax_scale, True,
+                                                    CONSUMER, D, STAGES, EXACT, ACCUMULATE_DQ, False)
                 i += 1
             for j in range(unmasked_steps):
-                dk_acc, dv_acc, ds_byte = _key_step(i, 0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange,
-                                                    amax_smem, softmax_scale, False, CONSUMER, D, STAGES, EXACT,
-                                                    ACCUMULATE_DQ, False)
+                dk_acc, dv_acc, ds_byte = _key_step(i, first_step, 0, dk_acc, dv_acc, ds_byte, key_rows, stages,
+                                                    exchange, amax_smem, softmax_scale, False, CONSUMER, D, STAGES,
+                                                    EXACT, ACCUMULATE_DQ, False)
                 i += 1
     return dk_acc, dv_acc, ds_byte
 
 
 @gluon.jit
-def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale, masked,
-              CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
+def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale,
+              masked, CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
               ACCUMULATE_DQ: gl.constexpr, KEYS_ONLY: gl.constexpr):
     """Step i of a consumer: S^T and dP^T of its keys (``key_rows``) against stage i % STAGES, P^T and dS^T,
     dS published for the dQ warpgroup, dV and dK accumulated; returns (dk_acc, dv_acc, ds_byte). Where
@@ -742,7 +772,12 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     # dS' = pq times each key's factor on the running scale, which the tile's maximum may grow first: the
     # maximum takes the factor per row, so every element is multiplied once, by its key's final factor.
     pq = p * q_dp
-    ds_byte, rescale = layout.grown_scale_byte(_tile_amax(pq, key_rows.ds, amax_smem), ds_byte)
+    if ACCUMULATE_DQ:  # both consumers on one scale wherever the other's byte is known (_other_byte)
+        other_byte = _other_byte(exchange, i, item_first, CONSUMER)
+        tile_byte = gl.maximum(layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False), other_byte)
+    else:
+        tile_byte = layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False)
+    ds_byte, rescale = layout.raised_scale_byte(tile_byte, ds_byte)
     ds = pq * (key_rows.ds * layout.scale_factor(ds_byte))[:, None]
     ds8 = ds.to(gl.float8e4nv)
     # dV's fp16 wgmma (see the module docstring), issued before dS is published and waited for before
@@ -823,7 +858,9 @@ def _attention_backward_kernel(
     row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], VECTOR_LAYOUT)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
-    scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    byte_smem = gl.allocate_shared_memory(gl.int32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for slot in gl.static_range(2 * CONSUMERS):  # -1: no step's byte yet (_other_byte reads them from the start)
+        byte_smem.index(slot).store(gl.full([1], -1, gl.int32, layout=EVERY_THREAD))
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
     # next piece is written to the other; two allocations, not one of two slots, so that the
     # compiler sees the store does not race the add and adds no barrier of its own.
@@ -850,7 +887,7 @@ def _attention_backward_kernel(
         mbarrier.init(empty.index(stage), count=CONSUMERS)
     fence_async_shared()
     stages = QueryStages(q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty)
-    exchange = DsExchange(ds_smem, scale_smem, ds_ready, ds_free)
+    exchange = DsExchange(ds_smem, byte_smem, ds_ready, ds_free)
     kv = KeyOperands(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, kt_ready)
     grads = KeyGradients(k_scale, v_scale, qt_scale, dot_scale, dk, dv)
     items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k)
