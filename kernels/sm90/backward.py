@@ -772,7 +772,9 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
     # dS' = pq times each key's factor on the running scale, which the tile's maximum may grow first: the
     # maximum takes the factor per row, so every element is multiplied once, by its key's final factor.
     pq = p * q_dp
-    if ACCUMULATE_DQ:  # both consumers on one scale wherever the other's byte is known (_other_byte)
+    # Both consumers on one scale wherever the other's byte is known (_other_byte); not with exact scores,
+    # whose masked steps have no registers for it (they spill).
+    if ACCUMULATE_DQ and not EXACT:
         other_byte = _other_byte(exchange, i, item_first, CONSUMER)
         tile_byte = gl.maximum(layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False), other_byte)
     else:
