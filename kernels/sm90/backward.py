@@ -41,7 +41,11 @@ Operands, scales and their folding are those of ``producers.backward_passes`` (i
 and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
 scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
-per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
+per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows). With FP8 scores each
+consumer's running scale also takes the other's last published one of the same item (read without
+waiting: ``_other_byte``), so both agree on most steps and the default warpgroup chains their dQ
+products without bringing one onto the other's scale first; a power-of-two raise of an e4m3 grid
+changes the rounding only of values below its smallest normal.
 
 Exact S and dP keep the gradients within 5e-3 of the reference backend on every input kind of the
 tests, cosine against fp64 within 1e-4 of the reference's; FP8 S and dP (backend ``hopper``, faster)
