@@ -222,13 +222,25 @@ def test_portable_kernels_compile_to_e4m3_mma_for_sm89(monkeypatch, kernel):
     assert shared <= ADA_SHARED_BYTES
 
 
-def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None):
+def grouped_bytes(token_byte, offsets, tokens):
+    """``token_byte`` ``[total, H]`` with each run of ``tokens`` tokens of a sequence (from its start) on the
+    largest byte of the run."""
+    grouped = token_byte.clone()
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        for first in range(start, end, tokens):
+            run = slice(first, min(first + tokens, end))
+            grouped[run] = token_byte[run].amax(0)
+    return grouped
+
+
+def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None, feature_group=1):
     """What ``backward_passes.quantize_for_backward`` writes, in torch (name -> tensor): the sequence-axis copy at the
     columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end."""
     values = x.float()
     token_byte = scale_bytes(values.abs().amax(-1))  # [total, H]
-    expected = dict(feature=quantize_with_factors(values, scale_factors(token_byte)[..., None]),
-                    feature_scale=descale_factors(token_byte).T)
+    feature_byte = grouped_bytes(token_byte, offsets, feature_group)
+    expected = dict(feature=quantize_with_factors(values, scale_factors(feature_byte)[..., None]),
+                    feature_scale=descale_factors(feature_byte).T)
     if normalize_tokens:
         values = values * scale_factors(token_byte)[..., None]
     _, heads, dim = x.shape
@@ -255,13 +267,15 @@ def written_columns(offsets):
                       for b, (start, length) in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist()))])
 
 
-@pytest.mark.parametrize("dim, group, normalize_tokens, with_delta, with_dlse", [
-    (64, 2, True, False, False), (128, 1, False, True, False), (64, 4, False, True, True)])
-def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with_delta, with_dlse):
+@pytest.mark.parametrize("dim, group, normalize_tokens, with_delta, with_dlse, feature_group", [
+    (64, 2, True, False, False, 1), (128, 1, False, True, False, 1), (64, 4, False, True, True, 1),
+    (64, 2, True, False, False, backward_passes.PRODUCER_CHUNK)])
+def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with_delta, with_dlse, feature_group):
     """Both layouts, scales, Delta (with the LSE's gradient subtracted, where given) and lse2 of the
     producer exactly as the torch oracle (heavy-tailed token norms, so that token and sequence scales
-    differ widely); its buffers are poisoned with 0xFF bytes (NaN in fp32 and e4m3) so that anything
-    it leaves unwritten shows."""
+    differ widely, and a group's feature scale pushes its small tokens' elements below e4m3's normals);
+    its buffers are poisoned with 0xFF bytes (NaN in fp32 and e4m3) so that anything it leaves unwritten
+    shows."""
     offsets = offsets_from_lengths(torch.tensor([0, 1, 31, 33, 127, 128, 129, 200]))
     heads = 2 * group
     x = torch.randn(int(offsets[-1]), heads, dim) * torch.exp(2 * torch.randn(int(offsets[-1]), heads, 1))
@@ -279,7 +293,8 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
         return buffer
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse, dlse=dlse)
+    options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse, dlse=dlse,
+                   feature_group=feature_group)
     result, delta, lse2 = backward_passes.quantize_for_backward(x, offsets, feature=True, sequence=True, **options)
     monkeypatch.undo()
     got = dict(feature=result.feature, feature_scale=result.feature_scale,
@@ -476,11 +491,14 @@ def test_exact_score_copies_hold_the_mx_values():
     (dict(query_order=layout.PV_ORDER), True, "key_order is NATURAL_ORDER, it needs DS_ORDER"),
     (dict(key_order=layout.DS_ORDER), False, "query_order is NATURAL_ORDER, it needs PV_ORDER"),
     (dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, do_order=layout.NATURAL_ORDER), True,
-     "do_sequence_dtype is torch.float8_e4m3fn, it needs torch.float16")])
+     "do_sequence_dtype is torch.float8_e4m3fn, it needs torch.float16"),
+    (dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, do_sequence_dtype=torch.float16), True,
+     "value_scale_tokens is 1, it needs 64")])
 def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq, named):
-    """The Gluon kernel reads Q^T in ``PV_ORDER``, dO^T as fp16 in natural order and, when it accumulates
-    dQ, K^T in ``DS_ORDER``: a producer output in other orders (or an e4m3 dO^T) would give wrong gradients,
-    so it is refused before any launch, the message naming each choice that differs by its name."""
+    """The Gluon kernel reads Q^T in ``PV_ORDER``, dO^T as fp16 in natural order, V's copy with one scale per
+    64 keys and, when it accumulates dQ, K^T in ``DS_ORDER``: a producer output in other orders (or an e4m3
+    dO^T, or V's scales per token) would give wrong gradients, so it is refused before any launch, the
+    message naming each choice that differs by its name."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 70], [5, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
@@ -496,9 +514,11 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    fp8 = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    per_token = dict(GLUON_PREPARATION, value_scale_tokens=1)  # the exact copies keep V's per token
+    fp8 = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **per_token)
     exact = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                  exact_scores=True)
+    assert exact.value_scale_tokens == 1
     for name in ("q", "k", "v", "do"):
         a, b = getattr(fp8, name), getattr(exact, name)
         assert b.feature.dtype == torch.bfloat16, name
@@ -599,28 +619,31 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
         assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
 
 
-@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q"])
+@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "v"])
 def test_producer_passes_compile_to_sm90_without_spills(tensor):
     """Both passes of the producer as the default backward launches them for dO (Delta, the padded
     vectors, bf16 feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group
-    of two) compile for sm_90 without spills, in at most 168 registers: three programs of four warps
+    of two), and V's one pass (its e4m3 feature copy, a scale per chunk of tokens, as the FP8 path's)
+    compile for sm_90 without spills, in at most 168 registers: three programs of four warps
     per SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14).
     With the LSE's gradient taken into Delta (only when the loss differentiates through the LSE) dO's
     takes 190: two programs per SM, still without spills."""
     ws = backward_passes
-    is_do = tensor.startswith("dout")
+    is_do, is_v = tensor.startswith("dout"), tensor == "v"
     with_dlse = tensor == "dout+dlse"
-    rows = dict(SCALE_ROW=-1 if is_do else ws.Q_FACTOR.value, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
+    rows = dict(SCALE_ROW=ws.Q_FACTOR.value if tensor == "q" else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
                 Q_FACTOR_ROW=ws.Q_FACTOR.value, Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
-                 GROUP=1 if is_do else 2, CHUNK=backward_passes.PRODUCER_CHUNK)
-    passes = [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS),
-              ("_quantize_kernel", dict(shape, FEATURE=True, SEQUENCE=True, DELTA=is_do, DLSE=with_dlse,
-                                        ORDER=layout.PV_ORDER.value, INTERPRET=False, **rows),
-               backward_passes.QUANTIZE_WARPS)]
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=tensor == "q",
+                 GROUP=2 if tensor == "q" else 1, CHUNK=backward_passes.PRODUCER_CHUNK)
+    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if is_v else 1,
+                    SEQUENCE=not is_v, DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value, INTERPRET=False,
+                    **rows)
+    passes = ([] if is_v else [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)])
+    passes.append(("_quantize_kernel", quantize, backward_passes.QUANTIZE_WARPS))
     for kernel, constexprs, warps in passes:
         names = getattr(backward_passes, kernel).arg_names
-        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*bf16", sequence_ptr="*fp8e4nv",
+        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*fp8e4nv" if is_v else "*bf16",
+                        sequence_ptr="*fp8e4nv",
                         offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
         ptx = compile_ptx("jagged_attn.kernels.producers.backward_passes", kernel,

@@ -8,7 +8,11 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
 * head_dim axis (Q, K for S; dO, V for dP): one scale per token, i.e. the spec's 32-wide MX blocks
   rebased to the token's largest block exponent. The inputs are high precision, so they are quantized
   with that exponent directly (one rounding instead of two). The per-row and per-column factors
-  multiply the fp32 S / dP tiles.
+  multiply the fp32 S / dP tiles. V's e4m3 copy may instead share one scale among each
+  ``feature_group`` consecutive tokens of a sequence (the largest of their bytes): the Hopper kernel
+  then applies one factor to a consumer's 64 keys instead of one per key. A shift by a power of two
+  keeps an e4m3 value's rounding unless it falls below the smallest normal (2^-6), so only elements
+  over ~2^14.8 below their group's largest lose bits.
 * sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and dO shared
   by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to the sequence's
   largest exponent. It is constant along the whole dK / dV / dQ reduction, so the MMAs chain in their
@@ -138,15 +142,16 @@ def _quantize_kernel(
     rows_ptr,  # fp32 [ROW_VECTORS, H, padded]: per-query vectors in padded slots (the Hopper kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr,
-    Q_FACTOR_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, FEATURE_GROUP: tl.constexpr,
+    SEQUENCE: tl.constexpr, DELTA: tl.constexpr, DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr,
+    P_LSE2_ROW: tl.constexpr, Q_FACTOR_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
     requested outputs.
 
-    FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
+    FEATURE: per-token scale along head_dim (FEATURE_GROUP = CHUNK: one per chunk of tokens, their largest;
+    a chunk never crosses a sequence, and the zeros past its end raise nothing). SEQUENCE: scale per (sequence, channel), shared by
     each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
     stored transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read
     them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
@@ -187,6 +192,9 @@ def _quantize_kernel(
                 tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
         if FEATURE:
             byte = _token_scale_byte(x)
+            if FEATURE_GROUP > 1:
+                tl.static_assert(FEATURE_GROUP == CHUNK, "a feature scale's group is one chunk of tokens")
+                byte = tl.zeros_like(byte) + tl.max(byte, axis=0)
             data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
             if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
                 data = data.to(tl.float32) * scale_value(byte)[:, None]
@@ -249,7 +257,7 @@ class _Quantized:
 
 
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn,
+                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, feature_group=1,
                           sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
@@ -258,7 +266,9 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
     ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
     (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
-    token scales are written as well, for what the kernels fold into dS); ``sequence_dtype`` fp16 stores
+    token scales are written as well, for what the kernels fold into dS); ``feature_group`` (1 or
+    ``PRODUCER_CHUNK``): tokens sharing a feature scale, each sequence's from its start (written per token
+    all the same); ``sequence_dtype`` fp16 stores
     the sequence copy's e4m3 values as fp16 (exact; its scales are the same).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``; ``dlse`` (fp32
     ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
@@ -271,6 +281,8 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     token scales from ``rows``: quantize Q first).
     """
     total, heads, dim = x.shape
+    if feature_group not in (1, PRODUCER_CHUNK):
+        raise ValueError(f"feature_group must be 1 or {PRODUCER_CHUNK}, got {feature_group}")
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -311,7 +323,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
         total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, DLSE=with_delta and dlse is not None, ORDER=order,
+        FEATURE=feature, FEATURE_GROUP=feature_group, SEQUENCE=sequence, DELTA=with_delta, DLSE=with_delta and dlse is not None, ORDER=order,
         SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row,
         INTERPRET=fp8.INTERPRETED,
         num_warps=QUANTIZE_WARPS, **shape,
@@ -324,11 +336,13 @@ class Prepared:
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
                  key_order=NATURAL_ORDER, do_order=None, do_sequence_dtype=torch.float8_e4m3fn, exact_scores=False,
-                 row_vectors=False, dlse=None):
+                 row_vectors=False, value_scale_tokens=1, dlse=None):
         """``query_order``: token order of Q^T and of dO^T unless ``do_order`` is given, ``key_order``: of
         K^T (``layout`` orders); ``do_sequence_dtype``: dO^T's (e4m3, or fp16 holding its e4m3 values);
         ``row_vectors``: also the Hopper kernel's per-query vectors in padded slots (``self.rows``);
-        ``dlse``: the LSE's gradient, taken into Delta (None: none)."""
+        ``value_scale_tokens``: tokens sharing a scale in V's e4m3 feature copy (``quantize_for_backward``'s
+        ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the LSE's gradient, taken into
+        Delta (None: none)."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
@@ -355,8 +369,9 @@ class Prepared:
                                              tiles=self.tiles_q, rows=self.rows)
         self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                              order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+        self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
         self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
-                                             tiles=self.tiles_k)
+                                             feature_group=self.value_scale_tokens, tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = quantize_for_backward(
             dout, offsets_q, feature=True, sequence=True, group=group, out=out, lse=lse, dlse=dlse, order=self.do_order,
             feature_dtype=score_dtype, sequence_dtype=do_sequence_dtype, tiles=self.tiles_q, rows=self.rows)
