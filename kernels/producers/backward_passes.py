@@ -150,17 +150,16 @@ def _quantize_kernel(
     """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
     requested outputs.
 
-    FEATURE: per-token scale along head_dim (FEATURE_GROUP = CHUNK: one per chunk of tokens, their largest;
-    a chunk never crosses a sequence, and the zeros past its end raise nothing). SEQUENCE: scale per (sequence, channel), shared by
-    each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read
-    them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
-    fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
-    ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``;
-    with P_LSE2_ROW times Q's, ``Q_DO_FACTOR``), the whole slot, zeros past the sequence's end.
-    P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
-    the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
+    FEATURE: per-token scale along head_dim (FEATURE_GROUP = CHUNK: one per chunk of tokens, their largest; a
+    chunk never crosses a sequence, and the zeros past its end raise nothing). SEQUENCE: scale per (sequence,
+    channel), shared by each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
+    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read them); with
+    NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels fold that scale into dS
+    instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s
+    - lse2)`` is 0 for rows that see no key). SCALE_ROW >= 0: the token scales also go to that vector of
+    ``rows_ptr`` (``Q_FACTOR``; with P_LSE2_ROW times Q's, ``Q_DO_FACTOR``), the whole slot, zeros past the
+    sequence's end. P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta
+    times the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
     DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
     wherever Delta goes.
     """
@@ -323,7 +322,8 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
         total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
-        FEATURE=feature, FEATURE_GROUP=feature_group, SEQUENCE=sequence, DELTA=with_delta, DLSE=with_delta and dlse is not None, ORDER=order,
+        FEATURE=feature, FEATURE_GROUP=feature_group, SEQUENCE=sequence, DELTA=with_delta,
+        DLSE=with_delta and dlse is not None, ORDER=order,
         SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row,
         INTERPRET=fp8.INTERPRETED,
         num_warps=QUANTIZE_WARPS, **shape,
