@@ -155,9 +155,9 @@ def _quantize_kernel(
     channel), shared by each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
     stored transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read them); with
     NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels fold that scale into dS
-    instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s
-    - lse2)`` is 0 for rows that see no key). SCALE_ROW >= 0: the token scales also go to that vector of
-    ``rows_ptr`` (``Q_FACTOR``; with P_LSE2_ROW times Q's, ``Q_DO_FACTOR``), the whole slot, zeros past the
+    instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)`` (+inf where LSE is -inf, so that
+    ``exp2(s - lse2)`` is 0 for rows that see no key). SCALE_ROW >= 0: the token scales also go to that vector
+    of ``rows_ptr`` (``Q_FACTOR``; with P_LSE2_ROW times Q's, ``Q_DO_FACTOR``), the whole slot, zeros past the
     sequence's end. P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta
     times the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
     DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
