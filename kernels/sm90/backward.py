@@ -719,13 +719,14 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     s = gl.convert_layout(s, s_layout, assert_trivial=True)
     dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
-    # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
-    q_factor = stages.rows.index(rows + Q_FACTOR).load(s_cols)
+    # Past the sequence the padded vectors hold P_LSE2 = +inf: p = 0 there, no mask.
     p_lse2 = stages.rows.index(rows + P_LSE2).load(s_cols)
     if EXACT:
         p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
     else:
-        p = gl.exp2(s * key_rows.score[:, None] * q_factor[None, :] - p_lse2[None, :])
+        # Q's e4m3 copy has one scale for the step's 64 queries (preparation()), a factor of each row.
+        q_factor = _shared_scalar(stages.rows.index(rows + Q_FACTOR).slice(0, 1))
+        p = gl.exp2(s * (key_rows.score * q_factor)[:, None] - p_lse2[None, :])
     if masked:
         if KEYS_ONLY:
             p = gl.where((key_rows.first_seeing < NO_QUERY)[:, None], p, 0.0)
@@ -738,8 +739,8 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
             columns = gl.arange(0, BLOCK_M, layout=s_cols)
             p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
     q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
-    if EXACT:
-        q_dp = dp * q_factor[None, :] - q_delta[None, :]
+    if EXACT:  # Q's token scales (the exact copies keep one per token), for dS
+        q_dp = dp * stages.rows.index(rows + Q_FACTOR).load(s_cols)[None, :] - q_delta[None, :]
     else:
         q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
         q_dp = dp * (q_do_factor * key_rows.value)[None, :] - q_delta[None, :]
@@ -932,7 +933,7 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     if accumulate_dq:
         got["key_order"] = prep.key_order
     if prep.v.feature.dtype != torch.bfloat16:  # the exact-scores copies keep a scale per token
-        got["value_scale_tokens"] = prep.value_scale_tokens
+        got.update(query_scale_tokens=prep.query_scale_tokens, value_scale_tokens=prep.value_scale_tokens)
     wrong = [f"{name} is {_shown(name, value)}, it needs {_shown(name, wanted[name])}" for name, value in got.items()
              if value != wanted[name]]
     if wrong:
@@ -993,11 +994,13 @@ def program_count(items: int, prep: Prepared, causal: bool, device: torch.device
 def preparation(deterministic: bool = False) -> dict:
     """What :class:`Prepared` makes for this kernel: Q^T in ``PV_ORDER``, dO^T as fp16 in natural order
     (dV's fp16 wgmma), K^T in ``DS_ORDER`` (natural order when deterministic: the portable dQ kernel reads
-    it then, this kernel not), V's e4m3 copy with one scale per consumer's keys, and the padded per-query
-    vectors."""
+    it then, this kernel not), the e4m3 copies of Q with one scale per step's queries (per token when
+    deterministic: the portable dQ kernel takes Q's scale as its token scale) and of V with one per
+    consumer's keys, and the padded per-query vectors."""
     key_order = layout.NATURAL_ORDER if deterministic else layout.DS_ORDER
     return dict(query_order=layout.PV_ORDER, key_order=key_order, do_order=layout.NATURAL_ORDER,
-                do_sequence_dtype=torch.float16, value_scale_tokens=KEYS_PER_CONSUMER.value, row_vectors=True)
+                do_sequence_dtype=torch.float16, query_scale_tokens=1 if deterministic else BLOCK_M.value,
+                value_scale_tokens=KEYS_PER_CONSUMER.value, row_vectors=True)
 
 
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
