@@ -619,9 +619,10 @@ def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_s
 
 @aggregate
 class KeyRows:
-    """What a consumer's steps read of its 64 keys: their K and V tiles in shared memory and, per key,
-    the factors applied to S^T (``score``, FP8 scores only), dP^T (``value``, FP8 only) and dS (``ds``),
-    and the first query row that sees the key (``first_seeing``: NO_QUERY past the sequence's keys)."""
+    """What a consumer's steps read of its 64 keys: their K and V tiles in shared memory, per key the
+    factors applied to S^T (``score``, FP8 scores only) and dS (``ds``), the one factor of V's copy for
+    all 64 (``value``, applied to dP^T's columns, FP8 only), and per key the first query row that sees it
+    (``first_seeing``: NO_QUERY past the sequence's keys)."""
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     score: gl.tensor
@@ -674,7 +675,10 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         v_factor = k_factor  # not read
     else:
         score_factor = k_factor * (softmax_scale * layout.LOG2E)
-        v_factor = gl.load(grads.v_scale + key_scales, mask=keys < len_k, other=0.0)
+        # V's e4m3 copy has one scale for each 64 keys from the sequence's start (preparation()), this
+        # consumer's: a step multiplies dP^T's 16 column factors a thread holds by it, not 32 elements.
+        first_key = kv_head.to(gl.int64) * total_k + k_start + key0
+        v_factor = gl.load(grads.v_scale + first_key, mask=key0 < len_k, other=0.0)
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
     # token scales (backward_passes) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
     ds_factor = k_factor * (1.0 / layout.P_SCALE)
@@ -749,13 +753,14 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
     s = gl.convert_layout(s, s_layout, assert_trivial=True)
     dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
-    # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
-    q_factor = stages.rows.index(rows + Q_FACTOR).load(s_cols)
+    # Past the sequence the padded vectors hold P_LSE2 = +inf: p = 0 there, no mask.
     p_lse2 = stages.rows.index(rows + P_LSE2).load(s_cols)
     if EXACT:
         p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
     else:
-        p = gl.exp2(s * key_rows.score[:, None] * q_factor[None, :] - p_lse2[None, :])
+        # Q's e4m3 copy has one scale for the step's 64 queries (preparation()), a factor of each row.
+        q_factor = _shared_scalar(stages.rows.index(rows + Q_FACTOR).slice(0, 1))
+        p = gl.exp2(s * (key_rows.score * q_factor)[:, None] - p_lse2[None, :])
     if masked:
         if KEYS_ONLY:
             p = gl.where((key_rows.first_seeing < NO_QUERY)[:, None], p, 0.0)
@@ -768,11 +773,11 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
             columns = gl.arange(0, BLOCK_M, layout=s_cols)
             p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
     q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
-    if EXACT:
-        q_dp = dp * q_factor[None, :] - q_delta[None, :]
+    if EXACT:  # Q's token scales (the exact copies keep one per token), for dS
+        q_dp = dp * stages.rows.index(rows + Q_FACTOR).load(s_cols)[None, :] - q_delta[None, :]
     else:
         q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
-        q_dp = (dp * key_rows.value[:, None]) * q_do_factor[None, :] - q_delta[None, :]
+        q_dp = dp * (q_do_factor * key_rows.value)[None, :] - q_delta[None, :]
     # dS' = pq times each key's factor on the running scale, which the tile's maximum may grow first: the
     # maximum takes the factor per row, so every element is multiplied once, by its key's final factor.
     pq = p * q_dp
@@ -970,7 +975,9 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     got = dict(query_order=prep.query_order, do_order=prep.do_order, do_sequence_dtype=prep.do.sequence.dtype)
     if accumulate_dq:
         got["key_order"] = prep.key_order
-    wrong = [f"{name} is {_shown(value)}, it needs {_shown(wanted[name])}" for name, value in got.items()
+    if prep.v.feature.dtype != torch.bfloat16:  # the exact-scores copies keep a scale per token
+        got.update(query_scale_tokens=prep.query_scale_tokens, value_scale_tokens=prep.value_scale_tokens)
+    wrong = [f"{name} is {_shown(name, value)}, it needs {_shown(name, wanted[name])}" for name, value in got.items()
              if value != wanted[name]]
     if wrong:
         raise ValueError("the Gluon kernel reads the copies Prepared(**preparation()) makes: " + "; ".join(wrong))
@@ -990,9 +997,9 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     )
 
 
-def _shown(choice) -> str:
+def _shown(name: str, choice) -> str:
     """A :func:`preparation` value as a message names it: a token order by its ``layout`` name."""
-    if isinstance(choice, torch.dtype):
+    if not name.endswith("_order"):
         return str(choice)
     return layout.ORDER_NAMES[int(getattr(choice, "value", choice))]
 
@@ -1030,10 +1037,13 @@ def program_count(items: int, prep: Prepared, causal: bool, device: torch.device
 def preparation(deterministic: bool = False) -> dict:
     """What :class:`Prepared` makes for this kernel: Q^T in ``PV_ORDER``, dO^T as fp16 in natural order
     (dV's fp16 wgmma), K^T in ``DS_ORDER`` (natural order when deterministic: the portable dQ kernel reads
-    it then, this kernel not), and the padded per-query vectors."""
+    it then, this kernel not), the e4m3 copies of Q with one scale per step's queries (per token when
+    deterministic: the portable dQ kernel takes Q's scale as its token scale) and of V with one per
+    consumer's keys, and the padded per-query vectors."""
     key_order = layout.NATURAL_ORDER if deterministic else layout.DS_ORDER
     return dict(query_order=layout.PV_ORDER, key_order=key_order, do_order=layout.NATURAL_ORDER,
-                do_sequence_dtype=torch.float16, row_vectors=True)
+                do_sequence_dtype=torch.float16, query_scale_tokens=1 if deterministic else BLOCK_M.value,
+                value_scale_tokens=KEYS_PER_CONSUMER.value, row_vectors=True)
 
 
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
