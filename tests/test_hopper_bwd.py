@@ -691,6 +691,7 @@ ACCURACY_VARIANTS = [  # (deterministic, run_backward's options, kinds asserted)
     (True, dict(scores="bf16"), set(KINDS)),
     (False, dict(kernel="portable"), {"gaussian", "peaked"}),
     (False, dict(scores="fp8"), {"gaussian", "peaked"}),
+    (True, dict(scores="fp8"), {"gaussian", "peaked"}),  # the portable dQ kernel on the Gluon path's FP8 copies
 ]
 
 
