@@ -510,6 +510,14 @@ def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq
                              softmax_scale=0.125, causal=False, accumulate_dq=accumulate_dq)
 
 
+def test_deterministic_preparation_passes_the_launch_check():
+    """The deterministic backward launches the Gluon kernel without dQ on ``preparation(True)``'s copies,
+    which differ from what :func:`sm90_backward.launch` checks only in K^T's order (read by the portable dQ
+    kernel alone then)."""
+    deterministic, default = sm90_backward.preparation(True), sm90_backward.preparation()
+    assert {name for name in default if deterministic[name] != default[name]} == {"key_order"}
+
+
 def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     """With ``exact_scores`` (the GPU default) the producers give the feature copies of Q, K (S's
     operands) and of V, dO (dP's) as bf16 holding exactly the MX values of the FP8 preparation;
@@ -683,6 +691,7 @@ ACCURACY_VARIANTS = [  # (deterministic, run_backward's options, kinds asserted)
     (True, dict(scores="bf16"), set(KINDS)),
     (False, dict(kernel="portable"), {"gaussian", "peaked"}),
     (False, dict(scores="fp8"), {"gaussian", "peaked"}),
+    (True, dict(scores="fp8"), {"gaussian", "peaked"}),  # the portable dQ kernel on the Gluon path's FP8 copies
 ]
 
 

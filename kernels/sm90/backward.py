@@ -1037,12 +1037,11 @@ def program_count(items: int, prep: Prepared, causal: bool, device: torch.device
 def preparation(deterministic: bool = False) -> dict:
     """What :class:`Prepared` makes for this kernel: Q^T in ``PV_ORDER``, dO^T as fp16 in natural order
     (dV's fp16 wgmma), K^T in ``DS_ORDER`` (natural order when deterministic: the portable dQ kernel reads
-    it then, this kernel not), the e4m3 copies of Q with one scale per step's queries (per token when
-    deterministic: the portable dQ kernel takes Q's scale as its token scale) and of V with one per
+    it then, this kernel not), the e4m3 copies of Q with one scale per step's queries and of V with one per
     consumer's keys, and the padded per-query vectors."""
     key_order = layout.NATURAL_ORDER if deterministic else layout.DS_ORDER
     return dict(query_order=layout.PV_ORDER, key_order=key_order, do_order=layout.NATURAL_ORDER,
-                do_sequence_dtype=torch.float16, query_scale_tokens=1 if deterministic else BLOCK_M.value,
+                do_sequence_dtype=torch.float16, query_scale_tokens=BLOCK_M.value,
                 value_scale_tokens=KEYS_PER_CONSUMER.value, row_vectors=True)
 
 
