@@ -630,40 +630,38 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
         assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
 
 
-@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "v"])
+@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "q-fp8", "v-fp8"])
 def test_producer_passes_compile_to_sm90_without_spills(tensor):
     """Both passes of the producer as the default backward launches them for dO (Delta, the padded vectors, bf16
-    feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group of two, a feature
-    scale per chunk of tokens), and V's one pass (its e4m3 feature copy, a scale per chunk of tokens, as the
-    FP8 path's) compile for sm_90 without spills, in at most 168 registers: three programs of four warps per
-    SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14). With
-    the LSE's gradient taken into Delta (only when the loss differentiates through the LSE) dO's takes 190,
-    and Q's pass with its chunk's feature scale (a reduction across the warps) 178: two programs per SM,
-    still without spills."""
+    feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group of two), and as the
+    FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of tokens; V's one pass) compile
+    for sm_90 without spills, in at most 168 registers: three programs of four warps per SM (a whole slot at
+    a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14). With the LSE's gradient
+    taken into Delta (only when the loss differentiates through the LSE) dO's takes 190, and the FP8 path's Q
+    pass with its chunk scales 211 (167 per token): two programs per SM, still without spills."""
     ws = backward_passes
-    is_do, is_v = tensor.startswith("dout"), tensor == "v"
+    is_do, is_q, fp8_copy = tensor.startswith("dout"), tensor.startswith("q"), tensor.endswith("fp8")
     with_dlse = tensor == "dout+dlse"
-    rows = dict(SCALE_ROW=ws.Q_FACTOR.value if tensor == "q" else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
+    rows = dict(SCALE_ROW=ws.Q_FACTOR.value if is_q else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
                 Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=tensor == "q",
-                 GROUP=2 if tensor == "q" else 1, CHUNK=backward_passes.PRODUCER_CHUNK)
-    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=1 if is_do else backward_passes.PRODUCER_CHUNK,
-                    SEQUENCE=not is_v, DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value, INTERPRET=False,
-                    **rows)
-    passes = ([] if is_v else [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)])
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=is_q,
+                 GROUP=2 if is_q else 1, CHUNK=backward_passes.PRODUCER_CHUNK)
+    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy else 1,
+                    SEQUENCE=tensor != "v-fp8", DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value,
+                    INTERPRET=False, **rows)
+    passes = ([] if tensor == "v-fp8" else [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)])
     passes.append(("_quantize_kernel", quantize, backward_passes.QUANTIZE_WARPS))
     for kernel, constexprs, warps in passes:
         names = getattr(backward_passes, kernel).arg_names
-        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*fp8e4nv" if is_v else "*bf16",
-                        sequence_ptr="*fp8e4nv",
-                        offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
+        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*fp8e4nv" if fp8_copy else "*bf16",
+                        sequence_ptr="*fp8e4nv", offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
         ptx = compile_ptx("jagged_attn.kernels.producers.backward_passes", kernel,
                           _signature(names, pointers, constexprs), constexprs, arch=90, num_warps=warps,
                           aligned=[n for n in names if n.endswith("_ptr") or n == "padded"])  # padded: 128k
         report = ptxas_report(ptx, 90)
         assert "0 bytes spill stores" in report, kernel
-        bound = 192 if with_dlse or (tensor == "q" and kernel == "_quantize_kernel") else 168
+        bound = 192 if with_dlse else 216 if tensor == "q-fp8" and kernel == "_quantize_kernel" else 168
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= bound, kernel
 
 
