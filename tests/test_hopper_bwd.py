@@ -612,8 +612,10 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
     assert len(steps) >= 2
     if not in_turn:  # one item a program: each head's masked steps are a loop of their own, the others select nothing
         assert any(not any("FSEL" in x for x in body) for body in steps)
+    # Taken in turn with FP8 scores, one step reloads its dS store's base address (the wait for the other
+    # consumer's dS byte, _other_byte, keeps one more value live).
     local = max(sum(bool(re.search(r"\b(STL|LDL)", x)) for x in body) for body in steps)
-    assert local <= (12 if causal and exact_scores else 0)
+    assert local <= (12 if causal and exact_scores else 1 if in_turn and not exact_scores else 0)
     # Each consumer publishes its dS by transposing stores of e4m3 key pairs (_published_key_pairs).
     assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx) == accumulate_dq
     assert "redux.sync.max.s32" in ptx and "shfl.sync.bfly" not in ptx
@@ -894,6 +896,21 @@ def test_gpu_bf16_dq_sums_stay_within_their_rounding(monkeypatch, causal, scores
     (dq32, dk32, dv32), (dq16, dk16, dv16) = grads[torch.float32], grads[torch.bfloat16]
     assert torch.isfinite(dq16).all() and rel_l2(dq16, dq32) < 2e-2, f"dQ moved by {rel_l2(dq16, dq32):.3e}"
     assert torch.equal(dk16, dk32) and torch.equal(dv16, dv32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_key_gradients_are_the_same_on_every_run(causal):
+    """dK and dV bit for bit the same over repeated calls on the same inputs (FP8 scores): the consumers'
+    shared dS scale (``_other_byte``) depends on the inputs only, not on which consumer ran ahead. Long
+    ragged sequences, so that scales grow within items and the consumers drift apart."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([3000, 129, 1, 2048], [3000, 129, 5, 4096], 8, 2, 128,
+                                                      device="cuda", dtype=torch.bfloat16, kind="heavy")
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, 128**-0.5)
+    first = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, 128**-0.5, scores="fp8")
+    for _ in range(4):
+        again = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, 128**-0.5, scores="fp8")
+        assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
 
 
 @pytest.mark.gpu

@@ -42,9 +42,10 @@ and producers): per-token scales on the feature axis (applied to S^T and dP^T), 
 scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows). With FP8 scores each
-consumer's running scale also takes the other's last published one of the same item (read without
-waiting: ``_other_byte``), so both agree on most steps and the default warpgroup chains their dQ
-products without bringing one onto the other's scale first; a power-of-two raise of an e4m3 grid
+consumer's running scale also takes the other's of the item's previous step (waited for:
+``_other_byte``), so both agree on every step but those where one grows and the default warpgroup
+chains their dQ products without bringing one onto the other's scale first. The scales are a function
+of the inputs alone, so dK and dV are the same on every run; a power-of-two raise of an e4m3 grid
 changes the rounding only of values below its smallest normal.
 
 Exact S and dP keep the gradients within 5e-3 of the reference backend on every input kind of the
@@ -176,10 +177,9 @@ class QueryStages:
 class DsExchange:
     """Each step's dS from the consumers to the dQ warpgroup, double-buffered: ``ds`` e4m3 ``[2 *
     CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER]`` and ``byte`` int32 ``[2 * CONSUMERS, 1]``, the dS scale's
-    E8M0 byte tagged with its step (``step << 8 | byte``; -1 before any step) (buffer b, consumer c at slot
-    ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published into buffer b, ``free[b]`` when the
-    dQ warpgroup is done with it. The consumers also read each other's tagged bytes, unsynchronized
-    (:func:`_other_byte`)."""
+    E8M0 byte (buffer b, consumer c at slot ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published
+    into buffer b, ``free[b]`` when the dQ warpgroup is done with it. The consumers also read each other's
+    bytes of the previous step (:func:`_other_byte`)."""
     ds: gl.shared_memory_descriptor
     byte: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
@@ -419,8 +419,8 @@ def _shared_scalar(smem):
 @gluon.jit
 def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     """Publish this warpgroup's dS (e4m3 dS^T on the running scale ``ds_byte``), queries x keys,
-    keys contiguous (FP8 wgmma reads only K-major operands), and its scale's byte tagged with the step
-    (``[1]``) in buffer i % 2 for the dQ warpgroup's wgmmas."""
+    keys contiguous (FP8 wgmma reads only K-major operands), and its scale's byte (``[1]``) in buffer
+    i % 2 for the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
     pairs = _published_key_pairs(ds8)
@@ -428,7 +428,7 @@ def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=16,
                                                      rank=2)
     exchange.ds.index(slot)._reinterpret(gl.int16, [BLOCK_M, KEYS_PER_CONSUMER // 2], pair_layout).store(pairs)
-    exchange.byte.index(slot).store(gl.full([1], 0, gl.int32, layout=EVERY_THREAD) + ((i << 8) | ds_byte))
+    exchange.byte.index(slot).store(gl.full([1], 0, gl.int32, layout=EVERY_THREAD) + ds_byte)
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
     mbarrier.arrive(exchange.ready.index(buffer), count=1)
@@ -436,14 +436,20 @@ def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
 
 @gluon.jit
 def _other_byte(exchange, i, item_first, CONSUMER: gl.constexpr):
-    """The other consumer's dS byte as last published in buffer (i + 1) % 2 where its tag is a step of this
-    item up to i (0 elsewhere), read without waiting: the running bytes only grow within an item, so any
-    such value is one the other's scale has reached, and taking it keeps both consumers' scales equal on
-    every step but those where one of them grows (so the dQ warpgroup chains their products). The
-    step's own tile still sets a floor, so nothing overflows."""
-    tagged = _shared_scalar(exchange.byte.index(((i + 1) % 2) * CONSUMERS + (1 - CONSUMER)))
-    step = tagged >> 8
-    return gl.where((step >= item_first) & (step <= i), tagged & 0xFF, 0)
+    """The other consumer's dS byte of step i - 1 where that is a step of the same item (0 at an item's
+    first step), once both published it. Taking it keeps both consumers' scales equal on every step but
+    those where either grows (so the dQ warpgroup chains their products); being waited for, it makes
+    every scale a function of the inputs, not of which consumer ran ahead. Every step past the program's
+    first waits, an item's first too, so the other's step i + 1 cannot rewrite the slot before this
+    consumer, which publishes step i only after reading it, is done with it. No cycle: the other's step
+    i - 1 waited only for this consumer's step i - 2."""
+    byte = gl.to_tensor(0)
+    if i > 0:
+        previous = i - 1
+        buffer = previous % 2
+        mbarrier.wait(exchange.ready.index(buffer), (previous // 2) & 1)
+        byte = gl.where(i > item_first, _shared_scalar(exchange.byte.index(buffer * CONSUMERS + (1 - CONSUMER))), 0)
+    return byte
 
 
 @gluon.jit
@@ -457,8 +463,8 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
     buffer = i % 2
     mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
-    byte0 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS)) & 0xFF
-    byte1 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS + 1)) & 0xFF
+    byte0 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS))
+    byte1 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS + 1))
     if byte0 == byte1:
         _dq_pieces(buffer, 1.0, layout.scale_value(byte1), head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc,
                    q_start, D, False)
@@ -781,8 +787,8 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
     # dS' = pq times each key's factor on the running scale, which the tile's maximum may grow first: the
     # maximum takes the factor per row, so every element is multiplied once, by its key's final factor.
     pq = p * q_dp
-    # Both consumers on one scale wherever the other's byte is known (_other_byte); not with exact scores,
-    # whose masked steps have no registers for it (they spill).
+    # Both consumers on one scale past an item's first step (_other_byte); not with exact scores, whose
+    # masked steps have no registers for it (they spill).
     if ACCUMULATE_DQ and not EXACT:
         other_byte = _other_byte(exchange, i, item_first, CONSUMER)
         tile_byte = gl.maximum(layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False), other_byte)
@@ -870,8 +876,6 @@ def _attention_backward_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     byte_smem = gl.allocate_shared_memory(gl.int32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    for slot in gl.static_range(2 * CONSUMERS):  # -1: no step's byte yet (_other_byte reads them from the start)
-        byte_smem.index(slot).store(gl.full([1], -1, gl.int32, layout=EVERY_THREAD))
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
     # next piece is written to the other; two allocations, not one of two slots, so that the
     # compiler sees the store does not race the add and adds no barrier of its own.
