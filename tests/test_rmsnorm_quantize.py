@@ -27,7 +27,6 @@ from test_quantize_kernel import (
 )
 
 from jagged_attn import mx_format, mxfp8, quantize_mxfp8
-from jagged_attn.metrics import relative_l2
 from jagged_attn.offsets import offsets_from_lengths
 
 EPS = 1e-6
@@ -84,11 +83,23 @@ def check_against_torch(x, weight, offsets, axes, rounding, config=None):
         expected_data, expected_scales = torch_reference(normalized, offsets, axis, rounding)
         assert_data_identical(outputs[axis][0], expected_data)
         assert_scales_identical(outputs[axis][1], expected_scales)
-        composed = quantize_mxfp8(expected_normalized, offsets, axis=axis, rounding=rounding).dequantize()
-        ours = mxfp8.MXFP8Jagged(
-            outputs[axis][0], outputs[axis][1].view(torch.float8_e8m0fnu), offsets, axis, rounding
-        ).dequantize()
-        assert relative_l2(ours, composed) < 1e-3  # differs only where a normalized value rounds otherwise
+        ours = mxfp8.MXFP8Jagged(outputs[axis][0], outputs[axis][1].view(torch.float8_e8m0fnu), offsets, axis,
+                                 rounding)
+        assert_composition_agrees(ours, quantize_mxfp8(expected_normalized, offsets, axis=axis, rounding=rounding),
+                                  normalized == expected_normalized)
+
+
+def assert_composition_agrees(ours, composed, same_input):
+    """The fused MXFP8 ``ours`` equals ``composed`` (torch's RMSNorm, then the quantizer) at every element
+    whose normalized value and block scale both agree (``same_input``: the normalized values equal), and
+    nearly everywhere: an element may differ only where its own normalized value rounded otherwise or its
+    block's scale moved with one that did, so at most 32 elements for each of the rare values
+    ``assert_within_rounding`` lets round otherwise. (An error norm would not do: the inputs span 2^+-24,
+    so one element that rounds otherwise can carry a visible share of the norm.)"""
+    got, want = ours.dequantize(), composed.dequantize()
+    agree = same_input & (mxfp8.element_scale_bytes(ours) == mxfp8.element_scale_bytes(composed)).view(got.shape)
+    assert torch.equal(got[agree], want[agree])
+    assert (got != want).float().mean() <= 32 * ROUNDED_OTHERWISE
 
 
 @pytest.mark.parametrize("rounding", mx_format.ROUNDINGS)
