@@ -28,8 +28,8 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
   sequence owns ``ceil(L / 128)`` whole 128-token slots there; the producer writes them in full, zeros
   past the end, so the kernels read these tiles without masks.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
-  a program has reduced so far (in the Hopper kernel with FP8 scores, over both consumers' tiles as far
-  as each has seen the other's): the accumulator is rescaled by an exact power of two <= 1 when the
+  a program has reduced so far (in the Hopper kernel with FP8 scores, also over the other consumer's
+  tiles up to the previous step): the accumulator is rescaled by an exact power of two <= 1 when the
   maximum grows, never overflows, and tiles far below the maximum (whose contribution is as far below)
   are quantized on its grid.
 
