@@ -81,6 +81,8 @@ def quantize_warps(feature_group: int) -> int:
     to 211 registers (two programs an SM instead of three) and V's from 63 to 113 (four instead of eight); at
     eight warps they take 128 and 62, as many warps an SM as the per-token passes or more (sm_90)."""
     return QUANTIZE_WARPS if feature_group == 1 else 2 * QUANTIZE_WARPS
+
+
 # The Hopper kernel's per-query vectors, rows of one flat fp32 [ROW_VECTORS, H, padded] buffer
 # (Prepared(row_vectors=True)): Q_FACTOR, the scale of Q's feature copy (its token scale q, or its group's);
 # P_LSE2 = lse2 - log2(P_SCALE), so that exp2(logits - P_LSE2) is P * P_SCALE; Q_DO_FACTOR = q times dO's
