@@ -222,13 +222,25 @@ def test_portable_kernels_compile_to_e4m3_mma_for_sm89(monkeypatch, kernel):
     assert shared <= ADA_SHARED_BYTES
 
 
-def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None):
+def grouped_bytes(token_byte, offsets, tokens):
+    """``token_byte`` ``[total, H]`` with each run of ``tokens`` tokens of a sequence (from its start) on the
+    largest byte of the run."""
+    grouped = token_byte.clone()
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        for first in range(start, end, tokens):
+            run = slice(first, min(first + tokens, end))
+            grouped[run] = token_byte[run].amax(0)
+    return grouped
+
+
+def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None, feature_group=1):
     """What ``backward_passes.quantize_for_backward`` writes, in torch (name -> tensor): the sequence-axis copy at the
     columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end."""
     values = x.float()
     token_byte = scale_bytes(values.abs().amax(-1))  # [total, H]
-    expected = dict(feature=quantize_with_factors(values, scale_factors(token_byte)[..., None]),
-                    feature_scale=descale_factors(token_byte).T)
+    feature_byte = grouped_bytes(token_byte, offsets, feature_group)
+    expected = dict(feature=quantize_with_factors(values, scale_factors(feature_byte)[..., None]),
+                    feature_scale=descale_factors(feature_byte).T, token_scale=descale_factors(token_byte).T)
     if normalize_tokens:
         values = values * scale_factors(token_byte)[..., None]
     _, heads, dim = x.shape
@@ -255,13 +267,15 @@ def written_columns(offsets):
                       for b, (start, length) in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist()))])
 
 
-@pytest.mark.parametrize("dim, group, normalize_tokens, with_delta, with_dlse", [
-    (64, 2, True, False, False), (128, 1, False, True, False), (64, 4, False, True, True)])
-def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with_delta, with_dlse):
+@pytest.mark.parametrize("dim, group, normalize_tokens, with_delta, with_dlse, feature_group", [
+    (64, 2, True, False, False, 1), (128, 1, False, True, False, 1), (64, 4, False, True, True, 1),
+    (64, 2, True, False, False, backward_passes.PRODUCER_CHUNK)])
+def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with_delta, with_dlse, feature_group):
     """Both layouts, scales, Delta (with the LSE's gradient subtracted, where given) and lse2 of the
     producer exactly as the torch oracle (heavy-tailed token norms, so that token and sequence scales
-    differ widely); its buffers are poisoned with 0xFF bytes (NaN in fp32 and e4m3) so that anything
-    it leaves unwritten shows."""
+    differ widely, and a group's feature scale pushes its small tokens' elements below e4m3's normals);
+    its buffers are poisoned with 0xFF bytes (NaN in fp32 and e4m3) so that anything it leaves unwritten
+    shows."""
     offsets = offsets_from_lengths(torch.tensor([0, 1, 31, 33, 127, 128, 129, 200]))
     heads = 2 * group
     x = torch.randn(int(offsets[-1]), heads, dim) * torch.exp(2 * torch.randn(int(offsets[-1]), heads, 1))
@@ -279,10 +293,11 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
         return buffer
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse, dlse=dlse)
+    options = dict(group=group, normalize_tokens=normalize_tokens, out=out, lse=lse, dlse=dlse,
+                   feature_group=feature_group)
     result, delta, lse2 = backward_passes.quantize_for_backward(x, offsets, feature=True, sequence=True, **options)
     monkeypatch.undo()
-    got = dict(feature=result.feature, feature_scale=result.feature_scale,
+    got = dict(feature=result.feature, feature_scale=result.feature_scale, token_scale=result.token_scale,
                sequence=result.sequence[..., written_columns(offsets)], sequence_scale=result.sequence_scale)
     if with_delta:
         got.update(delta=delta, lse2=lse2)
@@ -358,21 +373,22 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     dq = torch.full_like(q, math.nan)
     tiles = tile_list(offsets_q, q.shape[0], 64)
     backward_passes._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
-        sums, prep.q.feature_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
+        sums, prep.q.token_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
         HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
     kv_head = torch.arange(heads_q) // (heads_q // heads_kv)
     channel = prep.k.sequence_scale[kv_head][:, seq].permute(1, 0, 2)  # [total, Hq, D]
-    expected = sums[: q.shape[0]] * channel * 0.125 / prep.q.feature_scale.t()[..., None]
+    expected = sums[: q.shape[0]] * channel * 0.125 / prep.q.token_scale.t()[..., None]
     assert torch.allclose(dq, expected, rtol=1e-6, atol=0)
 
 
-def padded_vectors_of(q_scale, lse2, do_scale, delta):
+def padded_vectors_of(q, lse2, do_scale, delta):
     """What the Gluon kernel's padded per-query vectors hold, from the producers' ``[H, total]``
-    vectors (index -> tensor): Q's token scale q, lse2 - log2(P_SCALE), q times dO's token scale, q * Delta."""
+    vectors (index -> tensor): the scale of Q's feature copy, lse2 - log2(P_SCALE), Q's token scale
+    times dO's, Q's token scale times Delta (``q``: Q's ``quantize_for_backward`` output)."""
     ws = backward_passes
-    return {ws.Q_FACTOR.value: q_scale, ws.P_LSE2.value: lse2 - mx_format.P_STATIC_EXP,
-            ws.Q_DO_FACTOR.value: q_scale * do_scale, ws.Q_DELTA.value: q_scale * delta}
+    return {ws.Q_FACTOR.value: q.feature_scale, ws.P_LSE2.value: lse2 - mx_format.P_STATIC_EXP,
+            ws.Q_DO_FACTOR.value: q.token_scale * do_scale, ws.Q_DELTA.value: q.token_scale * delta}
 
 
 # What the padded per-query vectors hold past a sequence's end: P_LSE2 +inf (p = 0 without a mask), else 0.
@@ -396,7 +412,7 @@ def test_gluon_kernel_arguments_build_on_the_host():
                                                     [rows, dim], [dim, rows], [vectors_per_load, rows], [rows, 32]]
     assert list(descriptors[-1].shape) == [prep.total_q + rows, heads_q * dim]
     padded = descriptors[-2].base.view(4, heads_q, prep.padded_q)
-    vectors = padded_vectors_of(prep.q.feature_scale, prep.lse2, prep.do.feature_scale, prep.delta)
+    vectors = padded_vectors_of(prep.q, prep.lse2, prep.do.feature_scale, prep.delta)
     for b, length in enumerate(lengths_q):
         start, slot = int(offsets_q[b]), layout.padded_seq_start(int(offsets_q[b]), b)
         for v_index, vector in vectors.items():
@@ -419,13 +435,15 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     dlse = 10 * torch.randn(lse.shape) if feature_dtype == torch.bfloat16 else None
     padded_q = padded_total(q.shape[0], len(lengths))
     rows = torch.full((backward_passes.ROW_VECTORS.value, heads, padded_q), math.nan)
+    group = backward_passes.PRODUCER_CHUNK if feature_dtype == torch.float8_e4m3fn else 1
     mq, _, _ = backward_passes.quantize_for_backward(q, offsets, feature=True, sequence=False, rows=rows,
-                                                     feature_dtype=feature_dtype)
+                                                     feature_dtype=feature_dtype, feature_group=group)
     mdo, delta, lse2 = backward_passes.quantize_for_backward(dout, offsets, feature=True, sequence=False, out=out,
-                                                             lse=lse, rows=rows, feature_dtype=feature_dtype, dlse=dlse)
+                                                             lse=lse, rows=rows, feature_dtype=feature_dtype, dlse=dlse,
+                                                             query_scale=mq.token_scale)
     expected_delta = softmax_delta(dout, out, dlse)
     torch.testing.assert_close(delta, expected_delta.T, rtol=1e-5, atol=1e-4)
-    vectors = padded_vectors_of(mq.feature_scale, lse2, mdo.feature_scale, delta)
+    vectors = padded_vectors_of(mq, lse2, mdo.feature_scale, delta)
     if feature_dtype == torch.bfloat16:
         del vectors[backward_passes.Q_DO_FACTOR.value]
         assert rows[backward_passes.Q_DO_FACTOR.value].isnan().all()
@@ -476,17 +494,28 @@ def test_exact_score_copies_hold_the_mx_values():
     (dict(query_order=layout.PV_ORDER), True, "key_order is NATURAL_ORDER, it needs DS_ORDER"),
     (dict(key_order=layout.DS_ORDER), False, "query_order is NATURAL_ORDER, it needs PV_ORDER"),
     (dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, do_order=layout.NATURAL_ORDER), True,
-     "do_sequence_dtype is torch.float8_e4m3fn, it needs torch.float16")])
+     "do_sequence_dtype is torch.float8_e4m3fn, it needs torch.float16"),
+    (dict(query_order=layout.PV_ORDER, key_order=layout.DS_ORDER, do_sequence_dtype=torch.float16), True,
+     "query_scale_tokens is 1, it needs 64; value_scale_tokens is 1, it needs 64")])
 def test_gluon_launch_refuses_copies_in_other_token_orders(orders, accumulate_dq, named):
-    """The Gluon kernel reads Q^T in ``PV_ORDER``, dO^T as fp16 in natural order and, when it accumulates
-    dQ, K^T in ``DS_ORDER``: a producer output in other orders (or an e4m3 dO^T) would give wrong gradients,
-    so it is refused before any launch, the message naming each choice that differs by its name."""
+    """The Gluon kernel reads Q^T in ``PV_ORDER``, dO^T as fp16 in natural order, V's copy with one scale per
+    64 keys and, when it accumulates dQ, K^T in ``DS_ORDER``: a producer output in other orders (or an e4m3
+    dO^T, or V's scales per token) would give wrong gradients, so it is refused before any launch, the
+    message naming each choice that differs by its name."""
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 70], [5, 64], 2, 1, 64)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **orders)
     with pytest.raises(ValueError, match=re.escape(named)):
         sm90_backward.launch(prep, torch.zeros(80, 2, 64), torch.empty_like(k), torch.empty_like(v),
                              softmax_scale=0.125, causal=False, accumulate_dq=accumulate_dq)
+
+
+def test_deterministic_preparation_passes_the_launch_check():
+    """The deterministic backward launches the Gluon kernel without dQ on ``preparation(True)``'s copies,
+    which differ from what :func:`sm90_backward.launch` checks only in K^T's order (read by the portable dQ
+    kernel alone then)."""
+    deterministic, default = sm90_backward.preparation(True), sm90_backward.preparation()
+    assert {name for name in default if deterministic[name] != default[name]} == {"key_order"}
 
 
 def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
@@ -496,9 +525,11 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
-    fp8 = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION)
+    per_token = dict(GLUON_PREPARATION, query_scale_tokens=1, value_scale_tokens=1)  # as the exact copies
+    fp8 = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **per_token)
     exact = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                  exact_scores=True)
+    assert exact.query_scale_tokens == exact.value_scale_tokens == 1
     for name in ("q", "k", "v", "do"):
         a, b = getattr(fp8, name), getattr(exact, name)
         assert b.feature.dtype == torch.bfloat16, name
@@ -581,8 +612,10 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
     assert len(steps) >= 2
     if not in_turn:  # one item a program: each head's masked steps are a loop of their own, the others select nothing
         assert any(not any("FSEL" in x for x in body) for body in steps)
+    # Taken in turn with FP8 scores, one step reloads its dS store's base address (the wait for the other
+    # consumer's dS byte, _other_byte, keeps one more value live).
     local = max(sum(bool(re.search(r"\b(STL|LDL)", x)) for x in body) for body in steps)
-    assert local <= (12 if causal and exact_scores else 0)
+    assert local <= (12 if causal and exact_scores else 1 if in_turn and not exact_scores else 0)
     # Each consumer publishes its dS by transposing stores of e4m3 key pairs (_published_key_pairs).
     assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx) == accumulate_dq
     assert "redux.sync.max.s32" in ptx and "shfl.sync.bfly" not in ptx
@@ -599,36 +632,40 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
         assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
 
 
-@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q"])
+@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "q-fp8", "v-fp8"])
 def test_producer_passes_compile_to_sm90_without_spills(tensor):
-    """Both passes of the producer as the default backward launches them for dO (Delta, the padded
-    vectors, bf16 feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group
-    of two) compile for sm_90 without spills, in at most 168 registers: three programs of four warps
-    per SM (a whole slot at a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14).
-    With the LSE's gradient taken into Delta (only when the loss differentiates through the LSE) dO's
-    takes 190: two programs per SM, still without spills."""
+    """Both passes of the producer as the default backward launches them for dO (Delta, the padded vectors, bf16
+    feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group of two), and as the
+    FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of tokens; V's one pass) compile
+    for sm_90 without spills, in at most 168 registers: three programs of four warps per SM (a whole slot at
+    a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14). With the LSE's gradient
+    taken into Delta (only when the loss differentiates through the LSE) dO's takes 190. The chunk-scaled
+    passes run eight warps (``quantize_warps``) in at most 128: two programs of eight warps, no fewer warps
+    an SM than three of four."""
     ws = backward_passes
-    is_do = tensor.startswith("dout")
+    is_do, is_q, fp8_copy = tensor.startswith("dout"), tensor.startswith("q"), tensor.endswith("fp8")
     with_dlse = tensor == "dout+dlse"
-    rows = dict(SCALE_ROW=-1 if is_do else ws.Q_FACTOR.value, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
-                Q_FACTOR_ROW=ws.Q_FACTOR.value, Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=not is_do,
-                 GROUP=1 if is_do else 2, CHUNK=backward_passes.PRODUCER_CHUNK)
-    passes = [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS),
-              ("_quantize_kernel", dict(shape, FEATURE=True, SEQUENCE=True, DELTA=is_do, DLSE=with_dlse,
-                                        ORDER=layout.PV_ORDER.value, INTERPRET=False, **rows),
-               backward_passes.QUANTIZE_WARPS)]
+    rows = dict(SCALE_ROW=ws.Q_FACTOR.value if is_q else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
+                Q_DELTA_ROW=ws.Q_DELTA.value)
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=is_q,
+                 GROUP=2 if is_q else 1, CHUNK=backward_passes.PRODUCER_CHUNK)
+    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy else 1,
+                    SEQUENCE=tensor != "v-fp8", DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value,
+                    INTERPRET=False, **rows)
+    passes = ([] if tensor == "v-fp8" else [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)])
+    passes.append(("_quantize_kernel", quantize, backward_passes.quantize_warps(quantize["FEATURE_GROUP"])))
     for kernel, constexprs, warps in passes:
         names = getattr(backward_passes, kernel).arg_names
-        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*bf16", sequence_ptr="*fp8e4nv",
-                        offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
+        pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*fp8e4nv" if fp8_copy else "*bf16",
+                        sequence_ptr="*fp8e4nv", offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
         ptx = compile_ptx("jagged_attn.kernels.producers.backward_passes", kernel,
                           _signature(names, pointers, constexprs), constexprs, arch=90, num_warps=warps,
                           aligned=[n for n in names if n.endswith("_ptr") or n == "padded"])  # padded: 128k
         report = ptxas_report(ptx, 90)
         assert "0 bytes spill stores" in report, kernel
-        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= (192 if with_dlse else 168), kernel
+        bound = 192 if with_dlse else 128 if warps == 8 else 168
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= bound, kernel
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -859,6 +896,21 @@ def test_gpu_bf16_dq_sums_stay_within_their_rounding(monkeypatch, causal, scores
     (dq32, dk32, dv32), (dq16, dk16, dv16) = grads[torch.float32], grads[torch.bfloat16]
     assert torch.isfinite(dq16).all() and rel_l2(dq16, dq32) < 2e-2, f"dQ moved by {rel_l2(dq16, dq32):.3e}"
     assert torch.equal(dk16, dk32) and torch.equal(dv16, dv32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_key_gradients_are_the_same_on_every_run(causal):
+    """dK and dV bit for bit the same over repeated calls on the same inputs (FP8 scores): the consumers'
+    shared dS scale (``_other_byte``) depends on the inputs only, not on which consumer ran ahead. Long
+    ragged sequences, so that scales grow within items and the consumers drift apart."""
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([3000, 129, 1, 2048], [3000, 129, 5, 4096], 8, 2, 128,
+                                                      device="cuda", dtype=torch.bfloat16, kind="heavy")
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, 128**-0.5)
+    first = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, 128**-0.5, scores="fp8")
+    for _ in range(4):
+        again = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, 128**-0.5, scores="fp8")
+        assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
 
 
 @pytest.mark.gpu

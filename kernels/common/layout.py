@@ -282,8 +282,15 @@ def grown_scale_byte(amax, running_byte):
     """A running per-tile E8M0 scale (rceil) after one more tile of absolute maximum ``amax``: (new
     byte = max(running_byte, the tile's own byte), ``2^(running_byte - new byte)`` <= 1, the factor
     that brings an accumulator kept in units of the old scale to the new one)."""
-    byte = tl.maximum(scale_byte_of_amax(amax, False), running_byte)
-    return byte, byte_ratio(running_byte, byte)
+    return raised_scale_byte(scale_byte_of_amax(amax, False), running_byte)
+
+
+@triton.jit
+def raised_scale_byte(byte, running_byte):
+    """:func:`grown_scale_byte` from a byte the running scale must reach: (max(running_byte, byte), the
+    factor ``2^(running_byte - that)``)."""
+    raised = tl.maximum(byte, running_byte)
+    return raised, byte_ratio(running_byte, raised)
 
 
 @triton.jit

@@ -136,10 +136,12 @@ def _in_values(product, operand, token_factors):
 @aggregate
 class QueryHead:
     """One query head's operands in a dK/dV program, each pointer at its sequence's first row: Q and dO
-    (natural rows of ``Hq * D``) with their token scales, Q^T and dO^T (transposed, padded columns), lse2,
-    Delta, and dQ's fp32 accumulator (natural rows)."""
+    (natural rows of ``Hq * D``) with their feature copies' scales, Q's token scales (what Q^T is
+    normalized by), Q^T and dO^T (transposed, padded columns), lse2, Delta, and dQ's fp32 accumulator
+    (natural rows)."""
     q: tl.tensor
     q_scale: tl.tensor
+    q_token: tl.tensor
     qt: tl.tensor
     do: tl.tensor
     do_scale: tl.tensor
@@ -149,8 +151,9 @@ class QueryHead:
     dq: tl.tensor
 
     @constexpr_function
-    def __init__(self, q, q_scale, qt, do, do_scale, dot, lse2, delta, dq):
-        self.q, self.q_scale, self.qt, self.do, self.do_scale, self.dot = q, q_scale, qt, do, do_scale, dot
+    def __init__(self, q, q_scale, q_token, qt, do, do_scale, dot, lse2, delta, dq):
+        self.q, self.q_scale, self.q_token, self.qt = q, q_scale, q_token, qt
+        self.do, self.do_scale, self.dot = do, do_scale, dot
         self.lse2, self.delta, self.dq = lse2, delta, dq
 
 
@@ -166,7 +169,8 @@ def _dkdv_step(
 
     Rows past ``len_q`` load as zeros with lse2 = +inf, so their P is 0 without a mask; MASKED
     adds the key-bound and causal masks for the tiles that need them. dS is quantized times
-    the Q and K token scales (the sequence-axis copies of Q and K are token-normalized). dv_acc
+    the Q and K token scales (the sequence-axis copies of Q and K are token-normalized), which Q's
+    feature copy may not have (``Prepared(query_scale_tokens)``). dv_acc
     is in units of the dO sequence scales, dk_acc in units of the Q sequence scales times the
     running dS scale ``2^(ds_byte - 127)`` times the key's token scale (all in the epilogue).
     """
@@ -178,9 +182,11 @@ def _dkdv_step(
 
     q = tl.load(head.q + natural, mask=m_in[:, None], other=0.0)
     q_scale = tl.load(head.q_scale + m_idx, mask=m_in, other=0.0)
+    q_token = tl.load(head.q_token + m_idx, mask=m_in, other=0.0)
     lse2 = tl.load(head.lse2 + m_idx, mask=m_in, other=float("inf"))
-    token_scales = key.k_scale[:, None] * q_scale[None, :]
-    s_t = _in_values(tl.dot(key.k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
+    s_t = _in_values(tl.dot(key.k, tl.trans(q), max_num_imprecise_acc=SCORE_ACC_STEP), q,
+                     key.k_scale[:, None] * q_scale[None, :])
+    token_scales = key.k_scale[:, None] * q_token[None, :]
     p_t = tl.exp2(s_t * qk_log2 - lse2[None, :])
     if MASKED:
         p_t = tl.where(_visible(key.n_idx[:, None], m_idx[None, :], len_k, diagonal, CAUSAL), p_t, 0.0)
@@ -201,7 +207,7 @@ def _dkdv_step(
     dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
     if ACCUMULATE_DQ:
         dq = tl.dot(tl.trans(ds8_t), tl.trans(key.kt)) * (dq_channel_scale * scale_value(ds_byte))[None, :]
-        dq = dq * scale_inverse(q_scale)[:, None]
+        dq = dq * scale_inverse(q_token)[:, None]
         if TMA_REDUCE:  # one bulk reduce-add of the tile; rows past len_q add zeros
             dq_desc.atomic_add([dq_row + m_start.to(tl.int32), dq_col], dq)
         else:
@@ -211,7 +217,7 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_kernel(
-    q_ptr, q_scale_ptr, qt_ptr, qt_scale_ptr,
+    q_ptr, q_scale_ptr, q_token_ptr, qt_ptr, qt_scale_ptr,
     k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr,
     v_ptr, v_scale_ptr,
     do_ptr, do_scale_ptr, dot_ptr, dot_scale_ptr,
@@ -225,9 +231,9 @@ def _dkdv_kernel(
 ):
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
-    Layouts as written by ``backward_passes``' producers: natural e4m3 ``[total, H, D]`` with fp32
-    per-token scales ``[H, total]``; transposed e4m3 ``[H, D, padded]`` with fp32 scales
-    ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
+    Layouts as written by ``backward_passes``' producers: natural e4m3 ``[total, H, D]`` with fp32 per-token
+    scales ``[H, total]`` (and Q's token scales, ``q_token_ptr``); transposed e4m3 ``[H, D, padded]`` with
+    fp32 scales ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
     ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
     ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
     """
@@ -264,9 +270,9 @@ def _dkdv_kernel(
         q_off = q_start * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
         scale_off = h * total_q + q_start
         t_off = tl.cast(h * HEAD_DIM, tl.int64) * padded_q + padded_q_start
-        head = QueryHead(q_ptr + q_off, q_scale_ptr + scale_off, qt_ptr + t_off, do_ptr + q_off,
-                         do_scale_ptr + scale_off, dot_ptr + t_off, lse2_ptr + scale_off, delta_ptr + scale_off,
-                         dq_ptr + q_off)
+        head = QueryHead(q_ptr + q_off, q_scale_ptr + scale_off, q_token_ptr + scale_off, qt_ptr + t_off,
+                         do_ptr + q_off, do_scale_ptr + scale_off, dot_ptr + t_off, lse2_ptr + scale_off,
+                         delta_ptr + scale_off, dq_ptr + q_off)
         for phase in tl.static_range(2):  # the masked query tiles, then the fully visible ones
             for m_start in tl.range(m_lo if phase == 0 else m_full, m_full if phase == 0 else m_end, BLOCK_M):
                 dk_acc, dv_acc, ds_byte = _dkdv_step(
@@ -289,7 +295,7 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start,
+    dq_acc, ds_byte, q, q_scale, q_token, do, do_scale, lse2, delta, m_idx, n_start,
     keys, b, kv_head, k_start, len_k, total_k, padded_k, diagonal, qk_log2,
     HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, INTERPRET: tl.constexpr,
@@ -298,9 +304,9 @@ def _dq_step(
     sequence scales times the running dS scale times the query's token scale (dS is quantized
     times the token scales, as in :func:`_dkdv_step`); ``keys``: a :class:`KeySources`."""
     key = _load_kv_tile(keys, b, kv_head, k_start, len_k, n_start, total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-    token_scales = q_scale[:, None] * key.k_scale[None, :]
-    p = tl.exp2(_in_values(tl.dot(q, tl.trans(key.k), max_num_imprecise_acc=SCORE_ACC_STEP), q, token_scales)
-                * qk_log2 - lse2[:, None])
+    p = tl.exp2(_in_values(tl.dot(q, tl.trans(key.k), max_num_imprecise_acc=SCORE_ACC_STEP), q,
+                           q_scale[:, None] * key.k_scale[None, :]) * qk_log2 - lse2[:, None])
+    token_scales = q_token[:, None] * key.k_scale[None, :]
     if MASKED:
         p = tl.where(_visible(key.n_idx[None, :], m_idx[:, None], len_k, diagonal, CAUSAL), p, 0.0)
     scaled_p = p * token_scales  # dS is formed with the token scales folded in
@@ -312,7 +318,7 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr, v_ptr, v_scale_ptr,
+    q_ptr, q_scale_ptr, q_token_ptr, k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr, v_ptr, v_scale_ptr,
     do_ptr, do_scale_ptr, lse2_ptr, delta_ptr, dq_ptr,
     offsets_q_ptr, offsets_k_ptr,
     total_q, total_k, padded_k, batch, softmax_scale,
@@ -340,6 +346,7 @@ def _dq_kernel(
     qk_log2 = softmax_scale * LOG2E
     q = tl.load(q_ptr + natural, mask=m_in[:, None], other=0.0)
     q_scale = tl.load(q_scale_ptr + scales, mask=m_in, other=0.0)
+    q_token = tl.load(q_token_ptr + scales, mask=m_in, other=0.0)
     do = tl.load(do_ptr + natural, mask=m_in[:, None], other=0.0)
     do_scale = tl.load(do_scale_ptr + scales, mask=m_in, other=0.0)
     lse2 = tl.load(lse2_ptr + scales, mask=m_in, other=float("inf"))
@@ -357,13 +364,13 @@ def _dq_kernel(
     for phase in tl.static_range(2):  # the fully visible key tiles, then the masked ones
         for n_start in tl.range(0 if phase == 0 else n_full, n_full if phase == 0 else n_end, BLOCK_N):
             dq_acc, ds_byte = _dq_step(
-                dq_acc, ds_byte, q, q_scale, do, do_scale, lse2, delta, m_idx, n_start, keys, b, kv_head, k_start,
-                len_k, total_k, padded_k, diagonal, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
+                dq_acc, ds_byte, q, q_scale, q_token, do, do_scale, lse2, delta, m_idx, n_start, keys, b, kv_head,
+                k_start, len_k, total_k, padded_k, diagonal, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
                 SCORE_ACC_STEP, INTERPRET,
             )
     k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)
     dq_scale = k_channel_scale * (scale_value(ds_byte) * softmax_scale)
-    dq = dq_acc * dq_scale[None, :] * scale_inverse(q_scale)[:, None]
+    dq = dq_acc * dq_scale[None, :] * scale_inverse(q_token)[:, None]
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
 
 
@@ -401,7 +408,7 @@ def _launch_dkdv(prep: backward_passes.Prepared, dq_accum, dk, dv, *, softmax_sc
     if tma_reduce:
         dq_desc = TensorDescriptor.from_tensor(dq_accum.view(prep.total_q, -1), [block_m, prep.dim])
     _dkdv_kernel[(triton.cdiv(prep.max_len_k, block_n) * prep.batch, prep.heads_kv)](
-        q.feature, q.feature_scale, q.sequence, q.sequence_scale,
+        q.feature, q.feature_scale, q.token_scale, q.sequence, q.sequence_scale,
         k.feature, k.feature_scale, k.sequence, k.sequence_scale,
         v.feature, v.feature_scale,
         do.feature, do.feature_scale, do.sequence, do.sequence_scale,
@@ -415,7 +422,7 @@ def _launch_dq(prep: backward_passes.Prepared, dq, *, softmax_scale, block_m, bl
     """dQ by the deterministic kernel, with the given tiles."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     _dq_kernel[(triton.cdiv(prep.max_len_q, block_m) * prep.batch, prep.heads_q)](
-        q.feature, q.feature_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
+        q.feature, q.feature_scale, q.token_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
         v.feature, v.feature_scale, do.feature, do.feature_scale, prep.lse2, prep.delta, dq,
         prep.offsets_q, prep.offsets_k, prep.total_q, prep.total_k, prep.padded_k, prep.batch, softmax_scale,
         **_shape_constants(prep, block_m, block_n, **shape),

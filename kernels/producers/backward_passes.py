@@ -8,7 +8,12 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
 * head_dim axis (Q, K for S; dO, V for dP): one scale per token, i.e. the spec's 32-wide MX blocks
   rebased to the token's largest block exponent. The inputs are high precision, so they are quantized
   with that exponent directly (one rounding instead of two). The per-row and per-column factors
-  multiply the fp32 S / dP tiles.
+  multiply the fp32 S / dP tiles. The e4m3 copies of Q and V may instead share one scale among each
+  ``feature_group`` consecutive tokens of a sequence (the largest of their bytes): the Hopper kernel
+  then applies one factor to a 64-query step's columns or to a consumer's 64 keys instead of one per
+  token. A shift by a power of two keeps an e4m3 value's rounding unless it falls below the smallest
+  normal (2^-6), so only elements over ~2^14.8 below their group's largest lose bits. Q's token scales
+  (``token_scale``) stay what its sequence copy is normalized by.
 * sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and dO shared
   by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to the sequence's
   largest exponent. It is constant along the whole dK / dV / dQ reduction, so the MMAs chain in their
@@ -23,7 +28,8 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
   sequence owns ``ceil(L / 128)`` whole 128-token slots there; the producer writes them in full, zeros
   past the end, so the kernels read these tiles without masks.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
-  a program has reduced so far: the accumulator is rescaled by an exact power of two <= 1 when the
+  a program has reduced so far (in the Hopper kernel with FP8 scores, also over the other consumer's
+  tiles up to the previous step): the accumulator is rescaled by an exact power of two <= 1 when the
   maximum grows, never overflows, and tiles far below the maximum (whose contribution is as far below)
   are quantized on its grid.
 
@@ -67,10 +73,20 @@ AMAX_WARPS = 2
 QUANTIZE_WARPS = 4
 PRODUCER_CHUNK = 64
 FINISH_DQ_WARPS = 8
+
+
+def quantize_warps(feature_group: int) -> int:
+    """Warps of the quantize pass: QUANTIZE_WARPS, or eight where a chunk's tokens share a feature scale. The
+    shared scale's cross-warp maximum keeps the whole chunk live, which at four warps took Q's pass from 167
+    to 211 registers (two programs an SM instead of three) and V's from 63 to 113 (four instead of eight); at
+    eight warps they take 128 and 62, as many warps an SM as the per-token passes or more (sm_90)."""
+    return QUANTIZE_WARPS if feature_group == 1 else 2 * QUANTIZE_WARPS
+
+
 # The Hopper kernel's per-query vectors, rows of one flat fp32 [ROW_VECTORS, H, padded] buffer
-# (Prepared(row_vectors=True)): Q's token scale q; P_LSE2 = lse2 - log2(P_SCALE), so that
-# exp2(logits - P_LSE2) is P * P_SCALE; Q_DO_FACTOR = q times dO's token scale (FP8 scores only: neither
-# written nor read on the exact path); Q_DELTA = q * Delta.
+# (Prepared(row_vectors=True)): Q_FACTOR, the scale of Q's feature copy (its token scale q, or its group's);
+# P_LSE2 = lse2 - log2(P_SCALE), so that exp2(logits - P_LSE2) is P * P_SCALE; Q_DO_FACTOR = q times dO's
+# token scale (FP8 scores only: neither written nor read on the exact path); Q_DELTA = q * Delta.
 Q_FACTOR, P_LSE2, Q_DO_FACTOR, Q_DELTA = (tl.constexpr(i) for i in range(4))
 ROW_VECTORS = tl.constexpr(4)
 
@@ -133,31 +149,33 @@ def _sequence_amax_kernel(
 def _quantize_kernel(
     x_ptr, offsets_ptr, tiles_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
+    token_scale_ptr,  # fp32 [H, total]: each token's own scale (FEATURE_GROUP > 1)
+    query_scale_ptr,  # fp32 [H, total]: Q's token scales (dO's pass with P_LSE2_ROW)
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3/fp16 [H, D, padded]
     out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
     rows_ptr,  # fp32 [ROW_VECTORS, H, padded]: per-query vectors in padded slots (the Hopper kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, SEQUENCE: tl.constexpr, DELTA: tl.constexpr,
-    DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr, P_LSE2_ROW: tl.constexpr,
-    Q_FACTOR_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, FEATURE_GROUP: tl.constexpr,
+    SEQUENCE: tl.constexpr, DELTA: tl.constexpr, DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr,
+    P_LSE2_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
     requested outputs.
 
-    FEATURE: per-token scale along head_dim. SEQUENCE: scale per (sequence, channel), shared by
-    each GROUP of consecutive heads, from the maxima of :func:`_sequence_amax_kernel`; data
-    stored transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read
-    them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale (the kernels
-    fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and
-    ``LSE * log2(e)`` (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see
-    no key). SCALE_ROW >= 0: the token scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``;
-    with P_LSE2_ROW times Q's, ``Q_DO_FACTOR``), the whole slot, zeros past the sequence's end.
-    P_LSE2_ROW >= 0 (with DELTA): ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times
-    the query's token scale, read from vector Q_FACTOR_ROW, to Q_DELTA_ROW (Q's producer must have run).
-    DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr`` [total, H] (``reference.softmax_delta``),
-    wherever Delta goes.
+    FEATURE: per-token scale along head_dim (FEATURE_GROUP = CHUNK: one per chunk of tokens, their largest; a
+    chunk never crosses a sequence, and the zeros past its end raise nothing). SEQUENCE: scale per
+    (sequence, channel), shared by each GROUP of consecutive heads, from the maxima of
+    :func:`_sequence_amax_kernel`; data stored transposed (tokens in the ``layout`` ORDER inside each slot:
+    as the kernels read them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale
+    (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)``
+    (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key). SCALE_ROW >= 0: the
+    feature scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``; with P_LSE2_ROW times Q's token
+    scales, ``Q_DO_FACTOR``), the whole slot, zeros past the sequence's end. P_LSE2_ROW >= 0 (with DELTA):
+    ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times the query's token scale
+    (``query_scale_ptr``) to Q_DELTA_ROW. DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr``
+    [total, H] (``reference.softmax_delta``), wherever Delta goes.
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
@@ -183,10 +201,14 @@ def _quantize_kernel(
             if P_LSE2_ROW >= 0:  # +inf past the end, so that the Hopper kernel's p is 0 there
                 tl.store(padded_rows + P_LSE2_ROW * HEADS * padded,
                          tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
-                q_factor = tl.load(padded_rows + Q_FACTOR_ROW * HEADS * padded)
+                q_factor = tl.load(query_scale_ptr + h * total + tokens, mask=in_seq, other=0.0)
                 tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
         if FEATURE:
             byte = _token_scale_byte(x)
+            if FEATURE_GROUP > 1:
+                tl.static_assert(FEATURE_GROUP == CHUNK, "a feature scale's group is one chunk of tokens")
+                tl.store(token_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+                byte = tl.zeros_like(byte) + tl.max(byte, axis=0)
             data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
             if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
                 data = data.to(tl.float32) * scale_value(byte)[:, None]
@@ -241,16 +263,18 @@ def check_inputs(dout, q, k, v, out, lse, dlse, head_dims) -> None:
 
 
 class _Quantized:
-    """What the producer wrote for one tensor (unrequested fields stay None)."""
+    """What the producer wrote for one tensor (unrequested fields stay None): ``token_scale`` is each
+    token's own head_dim scale (what a normalized sequence copy was divided by), ``feature_scale``
+    itself unless tokens share one."""
 
-    def __init__(self, feature=None, feature_scale=None, sequence=None, sequence_scale=None):
-        self.feature, self.feature_scale = feature, feature_scale
+    def __init__(self, feature=None, feature_scale=None, token_scale=None, sequence=None, sequence_scale=None):
+        self.feature, self.feature_scale, self.token_scale = feature, feature_scale, token_scale
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
 
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
-                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn,
-                          sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None):
+                          dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, feature_group=1,
+                          sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None, query_scale=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
@@ -258,7 +282,9 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
     ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
     (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
-    token scales are written as well, for what the kernels fold into dS); ``sequence_dtype`` fp16 stores
+    token scales are written as well, for what the kernels fold into dS); ``feature_group`` (1 or
+    ``PRODUCER_CHUNK``): tokens sharing a feature scale, each sequence's from its start (written per token
+    all the same); ``sequence_dtype`` fp16 stores
     the sequence copy's e4m3 values as fp16 (exact; its scales are the same).
     With ``out`` and ``lse`` (for dO) also returns Delta and lse2, fp32 ``[H, total]``; ``dlse`` (fp32
     ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
@@ -266,11 +292,13 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     launch waits for the host to learn the longest sequence), made here when not given.
     ``rows``: the Hopper kernel's per-query vectors, fp32 ``[ROW_VECTORS, H, padded]``,
     each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
-    there, as Q's (``Q_FACTOR``) or, with ``out`` and ``lse``, as dO's times Q's (``Q_DO_FACTOR``: only for e4m3
-    copies, since the kernel's exact dP needs none) with ``P_LSE2`` and ``Q_DELTA`` (which takes Q's
-    token scales from ``rows``: quantize Q first).
+    there, as Q's (``Q_FACTOR``: its feature copy's) or, with ``out`` and ``lse``, as dO's times Q's
+    (``Q_DO_FACTOR``: only for e4m3 copies, since the kernel's exact dP needs none) with ``P_LSE2`` and
+    ``Q_DELTA``, from ``query_scale``: Q's ``token_scale``.
     """
     total, heads, dim = x.shape
+    if feature_group not in (1, PRODUCER_CHUNK):
+        raise ValueError(f"feature_group must be 1 or {PRODUCER_CHUNK}, got {feature_group}")
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -281,6 +309,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     if feature:
         result.feature = torch.empty(x.shape, dtype=feature_dtype, device=x.device)
         result.feature_scale = torch.empty(heads, total, **f32)
+        result.token_scale = result.feature_scale if feature_group == 1 else torch.empty(heads, total, **f32)
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, dtype=sequence_dtype, device=x.device)
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
@@ -294,11 +323,13 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, total, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
                                     num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (reading
-    # Q's token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's token scales.
-    scale_row = p_lse2_row = q_factor_row = q_delta_row = -1
+    # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (from Q's
+    # token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's feature scales.
+    scale_row = p_lse2_row = q_delta_row = -1
     if rows is not None and with_delta:
-        p_lse2_row, q_factor_row, q_delta_row = P_LSE2.value, Q_FACTOR.value, Q_DELTA.value
+        if query_scale is None:
+            raise ValueError("dO's per-query vectors take Q's token scales: pass query_scale")
+        p_lse2_row, q_delta_row = P_LSE2.value, Q_DELTA.value
         if feature_dtype != torch.bfloat16:
             scale_row = Q_DO_FACTOR.value
     elif rows is not None:
@@ -306,15 +337,17 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     _quantize_kernel[grid](
         x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
+        result.token_scale if feature else unused, unused if query_scale is None else query_scale,
         amax if sequence else unused, result.sequence if sequence else unused,
         result.sequence_scale if sequence else unused,
         out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
         total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
-        FEATURE=feature, SEQUENCE=sequence, DELTA=with_delta, DLSE=with_delta and dlse is not None, ORDER=order,
-        SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_FACTOR_ROW=q_factor_row, Q_DELTA_ROW=q_delta_row,
+        FEATURE=feature, FEATURE_GROUP=feature_group, SEQUENCE=sequence, DELTA=with_delta,
+        DLSE=with_delta and dlse is not None, ORDER=order,
+        SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_DELTA_ROW=q_delta_row,
         INTERPRET=fp8.INTERPRETED,
-        num_warps=QUANTIZE_WARPS, **shape,
+        num_warps=quantize_warps(feature_group), **shape,
     )
     return result, delta, lse2
 
@@ -324,11 +357,13 @@ class Prepared:
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
                  key_order=NATURAL_ORDER, do_order=None, do_sequence_dtype=torch.float8_e4m3fn, exact_scores=False,
-                 row_vectors=False, dlse=None):
+                 row_vectors=False, query_scale_tokens=1, value_scale_tokens=1, dlse=None):
         """``query_order``: token order of Q^T and of dO^T unless ``do_order`` is given, ``key_order``: of
         K^T (``layout`` orders); ``do_sequence_dtype``: dO^T's (e4m3, or fp16 holding its e4m3 values);
         ``row_vectors``: also the Hopper kernel's per-query vectors in padded slots (``self.rows``);
-        ``dlse``: the LSE's gradient, taken into Delta (None: none)."""
+        ``query_scale_tokens``, ``value_scale_tokens``: tokens sharing a scale in Q's and V's e4m3 feature copies
+        (``quantize_for_backward``'s ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the
+        LSE's gradient, taken into Delta (None: none)."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
@@ -350,16 +385,20 @@ class Prepared:
         if row_vectors:
             self.rows = torch.empty(ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
                                     device=q.device)
+        self.query_scale_tokens = 1 if exact_scores else query_scale_tokens
         self.q, _, _ = quantize_for_backward(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
                                              group=group, order=query_order, feature_dtype=score_dtype,
-                                             tiles=self.tiles_q, rows=self.rows)
+                                             feature_group=self.query_scale_tokens, tiles=self.tiles_q,
+                                             rows=self.rows)
         self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                              order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+        self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
         self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
-                                             tiles=self.tiles_k)
+                                             feature_group=self.value_scale_tokens, tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = quantize_for_backward(
             dout, offsets_q, feature=True, sequence=True, group=group, out=out, lse=lse, dlse=dlse, order=self.do_order,
-            feature_dtype=score_dtype, sequence_dtype=do_sequence_dtype, tiles=self.tiles_q, rows=self.rows)
+            feature_dtype=score_dtype, sequence_dtype=do_sequence_dtype, tiles=self.tiles_q, rows=self.rows,
+            query_scale=self.q.token_scale)
 
     @cached_property
     def max_len_q(self) -> int:
@@ -375,6 +414,6 @@ class Prepared:
 def finish_dq(dq_accum, prep, dq, softmax_scale: float) -> None:
     """dQ into ``dq`` from ``sm90.backward``'s sums ``dq_accum`` of the call ``prep`` prepared."""
     _finish_dq_kernel[(prep.tiles_q.shape[0] * prep.heads_q,)](
-        dq_accum, prep.q.feature_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
+        dq_accum, prep.q.token_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
         prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
         TILE=PRODUCER_TILE, num_warps=FINISH_DQ_WARPS)

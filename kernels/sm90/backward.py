@@ -41,7 +41,12 @@ Operands, scales and their folding are those of ``producers.backward_passes`` (i
 and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
 scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
 token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
-per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows).
+per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows). With FP8 scores each
+consumer's running scale also takes the other's of the item's previous step (waited for:
+``_other_byte``), so both agree on every step but those where one grows and the default warpgroup
+chains their dQ products without bringing one onto the other's scale first. The scales are a function
+of the inputs alone, so dK and dV are the same on every run; a power-of-two raise of an e4m3 grid
+changes the rounding only of values below its smallest normal.
 
 Exact S and dP keep the gradients within 5e-3 of the reference backend on every input kind of the
 tests, cosine against fp64 within 1e-4 of the reference's; FP8 S and dP (backend ``hopper``, faster)
@@ -171,17 +176,18 @@ class QueryStages:
 @aggregate
 class DsExchange:
     """Each step's dS from the consumers to the dQ warpgroup, double-buffered: ``ds`` e4m3 ``[2 *
-    CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER]`` and ``scale`` fp32 ``[2 * CONSUMERS, 1]`` (buffer b,
-    consumer c at slot ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published into buffer b,
-    ``free[b]`` when the dQ warpgroup is done with it."""
+    CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER]`` and ``byte`` int32 ``[2 * CONSUMERS, 1]``, the dS scale's
+    E8M0 byte (buffer b, consumer c at slot ``b * CONSUMERS + c``); ``ready[b]`` when both consumers published
+    into buffer b, ``free[b]`` when the dQ warpgroup is done with it. The consumers also read each other's
+    bytes of the previous step (:func:`_other_byte`)."""
     ds: gl.shared_memory_descriptor
-    scale: gl.shared_memory_descriptor
+    byte: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     free: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, ds, scale, ready, free):
-        self.ds, self.scale, self.ready, self.free = ds, scale, ready, free
+    def __init__(self, ds, byte, ready, free):
+        self.ds, self.byte, self.ready, self.free = ds, byte, ready, free
 
 
 @aggregate
@@ -413,8 +419,8 @@ def _shared_scalar(smem):
 @gluon.jit
 def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     """Publish this warpgroup's dS (e4m3 dS^T on the running scale ``ds_byte``), queries x keys,
-    keys contiguous (FP8 wgmma reads only K-major operands), and its scale (``[1]``) in buffer i % 2 for
-    the dQ warpgroup's wgmmas."""
+    keys contiguous (FP8 wgmma reads only K-major operands), and its scale's byte (``[1]``) in buffer
+    i % 2 for the dQ warpgroup's wgmmas."""
     buffer = i % 2
     slot = buffer * CONSUMERS + CONSUMER
     pairs = _published_key_pairs(ds8)
@@ -422,39 +428,74 @@ def _share_ds(ds8, ds_byte, exchange, i, CONSUMER: gl.constexpr):
     pair_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=16,
                                                      rank=2)
     exchange.ds.index(slot)._reinterpret(gl.int16, [BLOCK_M, KEYS_PER_CONSUMER // 2], pair_layout).store(pairs)
-    exchange.scale.index(slot).store(gl.full([1], 0.0, gl.float32, layout=EVERY_THREAD) + layout.scale_value(ds_byte))
+    exchange.byte.index(slot).store(gl.full([1], 0, gl.int32, layout=EVERY_THREAD) + ds_byte)
     fence_async_shared()
     gl.thread_barrier()  # every warp's part written before the warpgroup arrives
     mbarrier.arrive(exchange.ready.index(buffer), count=1)
 
 
 @gluon.jit
+def _other_byte(exchange, i, item_first, CONSUMER: gl.constexpr):
+    """The other consumer's dS byte of step i - 1 where that is a step of the same item (0 at an item's
+    first step), once both published it. Taking it keeps both consumers' scales equal on every step but
+    those where either grows (so the dQ warpgroup chains their products); being waited for, it makes
+    every scale a function of the inputs, not of which consumer ran ahead. Every step past the program's
+    first waits, an item's first too, so the other's step i + 1 cannot rewrite the slot before this
+    consumer, which publishes step i only after reading it, is done with it. No cycle: the other's step
+    i - 1 waited only for this consumer's step i - 2."""
+    byte = gl.to_tensor(0)
+    if i > 0:
+        previous = i - 1
+        buffer = previous % 2
+        mbarrier.wait(exchange.ready.index(buffer), (previous // 2) & 1)
+        byte = gl.where(i > item_first, _shared_scalar(exchange.byte.index(buffer * CONSUMERS + (1 - CONSUMER))), 0)
+    return byte
+
+
+@gluon.jit
 def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
              D: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, a box of ``dq_desc`` (``dq_piece`` columns) at a time,
-    added into ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn. One
-    accumulator chains both halves of the keys: consumer 0's product is brought to consumer 1's dS
-    scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
+    added into ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn.
+    Where both consumers' dS are on one scale (most steps: :func:`_other_byte`), each piece's two products
+    chain in one accumulator without a wait in between; elsewhere consumer 0's product is waited for and
+    brought to consumer 1's scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
     ``MAX_SCALE_RATIO`` for the one case where that scale is raised."""
+    buffer = i % 2
+    mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
+    byte0 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS))
+    byte1 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS + 1))
+    if byte0 == byte1:
+        _dq_pieces(buffer, 1.0, layout.scale_value(byte1), head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc,
+                   q_start, D, False)
+    else:
+        scale0 = layout.scale_value(byte0)
+        scale1 = gl.maximum(layout.scale_value(byte1), scale0 * (1.0 / MAX_SCALE_RATIO))
+        _dq_pieces(buffer, scale0 / scale1, scale1, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
+                   D, True)
+    mbarrier.arrive(exchange.free.index(buffer), count=1)
+
+
+@gluon.jit
+def _dq_pieces(buffer, ratio, scale1, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start, D: gl.constexpr,
+               RESCALED: gl.constexpr):
+    """:func:`_dq_step`'s pieces from dS buffer ``buffer``: consumer 0's product times ``ratio`` (RESCALED:
+    waited for first; else ``ratio`` is 1 and the two products chain), plus consumer 1's, times ``scale1``."""
     COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
     PIECES: gl.constexpr = D // COLUMNS
     piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(COLUMNS)
     zero = gl.zeros([BLOCK_M, COLUMNS], gl.float32, layout=piece_layout)
-    buffer = i % 2
-    mbarrier.wait(exchange.ready.index(buffer), (i // 2) & 1)
     ds0 = exchange.ds.index(buffer * CONSUMERS)
     ds1 = exchange.ds.index(buffer * CONSUMERS + 1)
-    scale0 = _shared_scalar(exchange.scale.index(buffer * CONSUMERS))
-    scale1 = gl.maximum(_shared_scalar(exchange.scale.index(buffer * CONSUMERS + 1)),
-                        scale0 * (1.0 / MAX_SCALE_RATIO))
-    ratio = scale0 / scale1
     for piece in gl.static_range(PIECES):
         k0 = kt_smem.index(0).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
         k1 = kt_smem.index(1).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
         part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
-        part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
-        part = warpgroup_mma(ds1, k1, part * ratio, is_async=True)
-        part, _, _ = warpgroup_mma_wait(0, deps=(part, ds1, k1))
+        if RESCALED:
+            part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
+            part = part * ratio
+        part = warpgroup_mma(ds1, k1, part, is_async=True)
+        part, _, _, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0, ds1, k1))
         staging = dq_even if piece % 2 == 0 else dq_odd
         staging.store((part * scale1).to(staging.dtype))
         fence_async_shared()
@@ -463,7 +504,6 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
         tma.store_wait(0)
         gl.thread_barrier()
         _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * COLUMNS], staging)
-    mbarrier.arrive(exchange.free.index(buffer), count=1)
 
 
 @gluon.jit
@@ -585,9 +625,10 @@ def _consume_tile(item, tile, first_step, kv_phase, kv, stages, exchange, amax_s
 
 @aggregate
 class KeyRows:
-    """What a consumer's steps read of its 64 keys: their K and V tiles in shared memory and, per key,
-    the factors applied to S^T (``score``, FP8 scores only), dP^T (``value``, FP8 only) and dS (``ds``),
-    and the first query row that sees the key (``first_seeing``: NO_QUERY past the sequence's keys)."""
+    """What a consumer's steps read of its 64 keys: their K and V tiles in shared memory, per key the
+    factors applied to S^T (``score``, FP8 scores only) and dS (``ds``), the one factor of V's copy for
+    all 64 (``value``, applied to dP^T's columns, FP8 only), and per key the first query row that sees it
+    (``first_seeing``: NO_QUERY past the sequence's keys)."""
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     score: gl.tensor
@@ -640,7 +681,10 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         v_factor = k_factor  # not read
     else:
         score_factor = k_factor * (softmax_scale * layout.LOG2E)
-        v_factor = gl.load(grads.v_scale + key_scales, mask=keys < len_k, other=0.0)
+        # V's e4m3 copy has one scale for each 64 keys from the sequence's start (preparation()), this
+        # consumer's: a step multiplies dP^T's 16 column factors a thread holds by it, not 32 elements.
+        first_key = kv_head.to(gl.int64) * total_k + k_start + key0
+        v_factor = gl.load(grads.v_scale + first_key, mask=key0 < len_k, other=0.0)
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
     # token scales (backward_passes) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
     ds_factor = k_factor * (1.0 / layout.P_SCALE)
@@ -664,29 +708,29 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         # cross batches, docs/perf-history.md v38).
         head, m0 = tile.first_head, m_lo
         for j in range(tile.n_steps):
-            dk_acc, dv_acc, ds_byte = _key_step(first_step + j, m0, dk_acc, dv_acc, ds_byte, key_rows, stages,
-                                                exchange, amax_smem, softmax_scale, m0 < unmasked_from, CONSUMER,
-                                                D, STAGES, EXACT, ACCUMULATE_DQ, not CAUSAL)
+            dk_acc, dv_acc, ds_byte = _key_step(first_step + j, first_step, m0, dk_acc, dv_acc, ds_byte, key_rows,
+                                                stages, exchange, amax_smem, softmax_scale, m0 < unmasked_from,
+                                                CONSUMER, D, STAGES, EXACT, ACCUMULATE_DQ, not CAUSAL)
             head, m0 = _next_query_tile(head, m0, m_lo, m_end)
     else:
         i = first_step
         for _ in range(GROUP):
             for j in range(masked_steps):
-                dk_acc, dv_acc, ds_byte = _key_step(i, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte, key_rows,
-                                                    stages, exchange, amax_smem, softmax_scale, True, CONSUMER, D,
-                                                    STAGES, EXACT, ACCUMULATE_DQ, False)
+                dk_acc, dv_acc, ds_byte = _key_step(i, first_step, m_lo + j * BLOCK_M, dk_acc, dv_acc, ds_byte,
+                                                    key_rows, stages, exchange, amax_smem, softmax_scale, True,
+                                                    CONSUMER, D, STAGES, EXACT, ACCUMULATE_DQ, False)
                 i += 1
             for j in range(unmasked_steps):
-                dk_acc, dv_acc, ds_byte = _key_step(i, 0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange,
-                                                    amax_smem, softmax_scale, False, CONSUMER, D, STAGES, EXACT,
-                                                    ACCUMULATE_DQ, False)
+                dk_acc, dv_acc, ds_byte = _key_step(i, first_step, 0, dk_acc, dv_acc, ds_byte, key_rows, stages,
+                                                    exchange, amax_smem, softmax_scale, False, CONSUMER, D, STAGES,
+                                                    EXACT, ACCUMULATE_DQ, False)
                 i += 1
     return dk_acc, dv_acc, ds_byte
 
 
 @gluon.jit
-def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale, masked,
-              CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
+def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_smem, softmax_scale,
+              masked, CONSUMER: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXACT: gl.constexpr,
               ACCUMULATE_DQ: gl.constexpr, KEYS_ONLY: gl.constexpr):
     """Step i of a consumer: S^T and dP^T of its keys (``key_rows``) against stage i % STAGES, P^T and dS^T,
     dS published for the dQ warpgroup, dV and dK accumulated; returns (dk_acc, dv_acc, ds_byte). Where
@@ -715,13 +759,14 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
     s = gl.convert_layout(s, s_layout, assert_trivial=True)
     dp = gl.convert_layout(dp, s_layout, assert_trivial=True)
 
-    # Past the sequence the padded vectors hold q = 0 and P_LSE2 = +inf: p = 0 there, no mask.
-    q_factor = stages.rows.index(rows + Q_FACTOR).load(s_cols)
+    # Past the sequence the padded vectors hold P_LSE2 = +inf: p = 0 there, no mask.
     p_lse2 = stages.rows.index(rows + P_LSE2).load(s_cols)
     if EXACT:
         p = gl.exp2(s * (softmax_scale * layout.LOG2E) - p_lse2[None, :])
     else:
-        p = gl.exp2(s * key_rows.score[:, None] * q_factor[None, :] - p_lse2[None, :])
+        # Q's e4m3 copy has one scale for the step's 64 queries (preparation()), a factor of each row.
+        q_factor = _shared_scalar(stages.rows.index(rows + Q_FACTOR).slice(0, 1))
+        p = gl.exp2(s * (key_rows.score * q_factor)[:, None] - p_lse2[None, :])
     if masked:
         if KEYS_ONLY:
             p = gl.where((key_rows.first_seeing < NO_QUERY)[:, None], p, 0.0)
@@ -734,15 +779,22 @@ def _key_step(i, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exchange, amax_s
             columns = gl.arange(0, BLOCK_M, layout=s_cols)
             p = gl.where((columns & ~6)[None, :] >= first_column[:, None] - (columns & 6)[None, :], p, 0.0)
     q_delta = stages.rows.index(rows + Q_DELTA).load(s_cols)
-    if EXACT:
-        q_dp = dp * q_factor[None, :] - q_delta[None, :]
+    if EXACT:  # Q's token scales (the exact copies keep one per token), for dS
+        q_dp = dp * stages.rows.index(rows + Q_FACTOR).load(s_cols)[None, :] - q_delta[None, :]
     else:
         q_do_factor = stages.rows.index(rows + Q_DO_FACTOR).load(s_cols)
-        q_dp = (dp * key_rows.value[:, None]) * q_do_factor[None, :] - q_delta[None, :]
+        q_dp = dp * (q_do_factor * key_rows.value)[None, :] - q_delta[None, :]
     # dS' = pq times each key's factor on the running scale, which the tile's maximum may grow first: the
     # maximum takes the factor per row, so every element is multiplied once, by its key's final factor.
     pq = p * q_dp
-    ds_byte, rescale = layout.grown_scale_byte(_tile_amax(pq, key_rows.ds, amax_smem), ds_byte)
+    # Both consumers on one scale past an item's first step (_other_byte); not with exact scores, whose
+    # masked steps have no registers for it (they spill).
+    if ACCUMULATE_DQ and not EXACT:
+        other_byte = _other_byte(exchange, i, item_first, CONSUMER)
+        tile_byte = gl.maximum(layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False), other_byte)
+    else:
+        tile_byte = layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False)
+    ds_byte, rescale = layout.raised_scale_byte(tile_byte, ds_byte)
     ds = pq * (key_rows.ds * layout.scale_factor(ds_byte))[:, None]
     ds8 = ds.to(gl.float8e4nv)
     # dV's fp16 wgmma (see the module docstring), issued before dS is published and waited for before
@@ -823,7 +875,7 @@ def _attention_backward_kernel(
     row_smem = gl.allocate_shared_memory(gl.float32, [STAGES * ROW_VECTORS, BLOCK_M], VECTOR_LAYOUT)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
-    scale_smem = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    byte_smem = gl.allocate_shared_memory(gl.int32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
     # next piece is written to the other; two allocations, not one of two slots, so that the
     # compiler sees the store does not race the add and adds no barrier of its own.
@@ -850,7 +902,7 @@ def _attention_backward_kernel(
         mbarrier.init(empty.index(stage), count=CONSUMERS)
     fence_async_shared()
     stages = QueryStages(q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty)
-    exchange = DsExchange(ds_smem, scale_smem, ds_ready, ds_free)
+    exchange = DsExchange(ds_smem, byte_smem, ds_ready, ds_free)
     kv = KeyOperands(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, kt_ready)
     grads = KeyGradients(k_scale, v_scale, qt_scale, dot_scale, dk, dv)
     items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k)
@@ -927,7 +979,9 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     got = dict(query_order=prep.query_order, do_order=prep.do_order, do_sequence_dtype=prep.do.sequence.dtype)
     if accumulate_dq:
         got["key_order"] = prep.key_order
-    wrong = [f"{name} is {_shown(value)}, it needs {_shown(wanted[name])}" for name, value in got.items()
+    if prep.v.feature.dtype != torch.bfloat16:  # the exact-scores copies keep a scale per token
+        got.update(query_scale_tokens=prep.query_scale_tokens, value_scale_tokens=prep.value_scale_tokens)
+    wrong = [f"{name} is {_shown(name, value)}, it needs {_shown(name, wanted[name])}" for name, value in got.items()
              if value != wanted[name]]
     if wrong:
         raise ValueError("the Gluon kernel reads the copies Prepared(**preparation()) makes: " + "; ".join(wrong))
@@ -947,9 +1001,9 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
     )
 
 
-def _shown(choice) -> str:
+def _shown(name: str, choice) -> str:
     """A :func:`preparation` value as a message names it: a token order by its ``layout`` name."""
-    if isinstance(choice, torch.dtype):
+    if not name.endswith("_order"):
         return str(choice)
     return layout.ORDER_NAMES[int(getattr(choice, "value", choice))]
 
@@ -987,10 +1041,12 @@ def program_count(items: int, prep: Prepared, causal: bool, device: torch.device
 def preparation(deterministic: bool = False) -> dict:
     """What :class:`Prepared` makes for this kernel: Q^T in ``PV_ORDER``, dO^T as fp16 in natural order
     (dV's fp16 wgmma), K^T in ``DS_ORDER`` (natural order when deterministic: the portable dQ kernel reads
-    it then, this kernel not), and the padded per-query vectors."""
+    it then, this kernel not), the e4m3 copies of Q with one scale per step's queries and of V with one per
+    consumer's keys, and the padded per-query vectors."""
     key_order = layout.NATURAL_ORDER if deterministic else layout.DS_ORDER
     return dict(query_order=layout.PV_ORDER, key_order=key_order, do_order=layout.NATURAL_ORDER,
-                do_sequence_dtype=torch.float16, row_vectors=True)
+                do_sequence_dtype=torch.float16, query_scale_tokens=BLOCK_M.value,
+                value_scale_tokens=KEYS_PER_CONSUMER.value, row_vectors=True)
 
 
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
