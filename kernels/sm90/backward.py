@@ -672,8 +672,8 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
     tma.async_copy_global_to_shared(kv.v_desc, [(k_start + key0).to(gl.int32), kv_head * D], ready, v_smem)
 
     keys = key0 + gl.arange(0, KEYS, layout=s_rows)
-    key_scales = kv_head.to(gl.int64) * total_k + k_start + keys  # in the [Hkv, total_k] token scales
-    k_factor = gl.load(grads.k_scale + key_scales, mask=keys < len_k, other=0.0)
+    sequence_scales = kv_head.to(gl.int64) * total_k + k_start  # its first key's in the [Hkv, total_k] scales
+    k_factor = gl.load(grads.k_scale + sequence_scales + keys, mask=keys < len_k, other=0.0)
     # S^T and dP^T come from bf16 copies holding the MX values (EXACT: fp32 accumulation) or from
     # e4m3 copies in units of the token scales, applied in the steps.
     if EXACT:
@@ -683,8 +683,7 @@ def _accumulate_key_gradients(kv, stages, exchange, amax_smem, grads, tile, firs
         score_factor = k_factor * (softmax_scale * layout.LOG2E)
         # V's e4m3 copy has one scale for each 64 keys from the sequence's start (preparation()), this
         # consumer's: a step multiplies dP^T's 16 column factors a thread holds by it, not 32 elements.
-        first_key = kv_head.to(gl.int64) * total_k + k_start + key0
-        v_factor = gl.load(grads.v_scale + first_key, mask=key0 < len_k, other=0.0)
+        v_factor = gl.load(grads.v_scale + sequence_scales + key0, mask=key0 < len_k, other=0.0)
     # p is P * P_SCALE (the e4m3 operand of dV as it comes out of exp2) and dS is formed times both
     # token scales (backward_passes) and the running dS scale: dS' = p (k / P_SCALE) q (dP - Delta) / 2^(e - 127).
     ds_factor = k_factor * (1.0 / layout.P_SCALE)
@@ -789,11 +788,12 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
     pq = p * q_dp
     # Both consumers on one scale past an item's first step (_other_byte); not with exact scores, whose
     # masked steps have no registers for it (they spill).
-    if ACCUMULATE_DQ and not EXACT:
+    SHARED_SCALE: gl.constexpr = ACCUMULATE_DQ and not EXACT
+    if SHARED_SCALE:
         other_byte = _other_byte(exchange, i, item_first, CONSUMER)
-        tile_byte = gl.maximum(layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False), other_byte)
-    else:
-        tile_byte = layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False)
+    tile_byte = layout.scale_byte_of_amax(_tile_amax(pq, key_rows.ds, amax_smem), False)
+    if SHARED_SCALE:
+        tile_byte = gl.maximum(tile_byte, other_byte)
     ds_byte, rescale = layout.raised_scale_byte(tile_byte, ds_byte)
     ds = pq * (key_rows.ds * layout.scale_factor(ds_byte))[:, None]
     ds8 = ds.to(gl.float8e4nv)
