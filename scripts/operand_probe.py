@@ -301,7 +301,7 @@ def main(argv=None):
     args = train_lm.parse_args(rest)  # --attn (one), model, data and optimizer as train_lm's
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
-    train_docs, _ = train_lm.documents(args.max_doc, args.max_files)
+    train_docs, _ = train_lm.documents(args.corpus, args.max_doc, args.max_files)
     batches = train_lm.packed_batches(train_docs, args.batch_tokens, args.seed)
     tokens, offsets = batches[-1]
     cut = int((offsets <= ours.probe_tokens).nonzero().max())

@@ -26,6 +26,25 @@ def test_packed_batches_keep_documents_whole_and_in_one_order():
     assert sorted(seen) == sorted(docs)  # every document once, whole
 
 
+def test_the_sources_corpus_is_modules_and_hand_written_torch_sources_without_generated_files():
+    files = train_lm.corpus_files("sources")
+    torch_root = os.path.dirname(torch.__file__)
+    stdlib = [f for f in files if not f.startswith(torch_root + os.sep)]
+    assert stdlib and files[:len(stdlib)] == stdlib and stdlib == sorted(stdlib)  # the modules, then torch's
+    assert not any(part in train_lm.NOT_SOURCES for f in stdlib for part in f.split(os.sep))
+    headers = [f for f in files if f.startswith(torch_root + os.sep) and f.endswith(".h")]
+    assert headers and any(f.endswith(".py") for f in files[len(stdlib):])
+    generated = next(f for f in headers if train_lm.GENERATED in open(f, "rb").read(2048))
+    limit = files.index(generated) + 1
+    train, validation = train_lm.documents("sources", 4096, limit)
+    with open(generated, "rb") as f:
+        assert f.read(4096) not in train + validation
+    texts = [open(f, "rb").read(4096) for f in files[:limit]]
+    kept = [(i, t) for i, t in enumerate(texts) if len(t) >= 2 and train_lm.GENERATED not in t[:2048]]
+    assert validation == [t for i, t in kept if i % 20 == 10] and train == [t for i, t in kept if i % 20 != 10]
+    assert len(kept) < len(texts)  # the generated header at least
+
+
 def test_next_byte_loss_never_predicts_across_documents():
     """A model whose logits at each byte name the next byte of the same document has zero loss on
     every byte it predicts, so the first byte of each document (unpredictable) must be left out."""
@@ -53,13 +72,15 @@ def test_a_few_steps_lower_the_loss(tmp_path):
     saved = json.loads((tmp_path / "train_lm.json").read_text())
     assert saved["runs"][0]["validation_loss"] == run["validation_loss"]
     assert "src:" in saved["version"]
+    assert saved["data"]["passes"] == 16 / saved["data"]["train_batches"] and saved["data"]["validation_bytes"] <= 1024
 
 
 def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_difference_from_bf16(tmp_path, capsys):
     """``--summarize``: runs of one configuration and seed pool (whatever process or file they came from),
     another seed or ``--qk-norm`` is another group, an older JSON's option that was off (``center_kv``) or a
-    JSON without a version joins as the current script would have run it, our runs of other code are
-    another row, and the BF16 peers pool into one mean that each of ours is compared with."""
+    JSON without a version joins as the current script would have run it, a JSON from before ``--corpus``
+    is a group of the corpus it ran on, our runs of other code are another row, and the BF16 peers pool
+    into one mean that each of ours is compared with."""
     args = vars(train_lm.parse_args([]))
 
     def saved(name, runs, version="v1 src:aaaa", **changes):
@@ -74,11 +95,17 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
              saved("c.json", [("varlen", 1.02)], version=None),
              saved("d.json", [("hopper", 1.50)], version="v0 src:bbbb"),
              saved("e.json", [("hopper", 2.00), ("varlen", 2.10)], seed=1),
-             saved("f.json", [("hopper", 3.00)], qk_norm=True)]
+             saved("f.json", [("hopper", 3.00)], qk_norm=True),
+             saved("g.json", [("hopper", 4.00), ("varlen", 4.10)], version="v3 src:aaaa")]
+    stdlib_run = json.loads((tmp_path / "g.json").read_text())
+    del stdlib_run["args"]["corpus"]  # saved before --corpus existed: the standard library's text
+    (tmp_path / "g.json").write_text(json.dumps(stdlib_run))
     train_lm.main(["--summarize", *files])
     text = capsys.readouterr().out
     groups = {block.splitlines()[0]: block for block in text.split("\n== ")[1:]}
-    assert set(groups) == {"no QK-norm, seed 0", "no QK-norm, seed 1", "QK-norm, seed 0"}
+    assert set(groups) == {"no QK-norm, seed 0", "no QK-norm, seed 1", "QK-norm, seed 0",
+                           "no QK-norm, seed 0, corpus stdlib"}
+    assert "hopper src:aaaa - BF16: -0.1000" in groups["no QK-norm, seed 0, corpus stdlib"]
     seed0 = groups["no QK-norm, seed 0"]
     rows = {line[:24].strip(): line[24:].split()[:3] for line in seed0.splitlines()[2:] if " - BF16" not in line}
     assert rows["hopper src:aaaa"] == ["2", "1.0100", "0.0141"]
