@@ -430,8 +430,7 @@ def main(argv=None) -> list[dict]:
     print(f"{len(train_docs)} train / {len(val_docs)} validation documents ({args.corpus}), "
           f"{data['train_bytes'] / 1e6:.1f} MB, median document {data['median_document']:.0f} bytes, "
           f"{len(train_batches)} train batches: {data['passes']:.1f} passes over them in {args.steps} steps; "
-          f"validation on {data['validation_bytes'] / 1e6:.2f} MB",
-          flush=True)
+          f"validation on {data['validation_bytes'] / 1e6:.2f} MB", flush=True)
     runs = [train(attn, args, train_batches, val_batches, device) for attn in args.attn]
     os.makedirs(args.out, exist_ok=True)
     title = (f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {args.layers} layers, "
