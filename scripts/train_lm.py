@@ -348,21 +348,29 @@ def summary(results: list[dict]) -> str:
     ran (the JSON's ``version``: runs of other code are other rows). Per attention the runs' count, mean
     validation loss and sample standard deviation; per attention other than the BF16 peers
     (``BF16_PEERS``, pooled) its mean less theirs, with the difference's standard error
-    sqrt(s1^2 / n1 + s2^2 / n2) where both sides have two runs or more."""
+    sqrt(s1^2 / n1 + s2^2 / n2) where both sides have two runs or more. Under a group's title, what its
+    runs trained on (passes over how much text: the JSONs' ``data``, where they have it)."""
     defaults = vars(parse_args([]))
     groups: dict[str, dict[str, list[float]]] = {}
+    data: dict[str, set[str]] = {}  # per group, what its runs trained on, where their JSONs say
     for result in results:
         config = configuration(result["args"], defaults)
         others = {k: v for k, v in config.items() if k not in ("qk_norm", "seed") and defaults.get(k) != v}
         label = (f"{'QK-norm' if config.get('qk_norm') else 'no QK-norm'}, seed {config.get('seed')}"
                  + "".join(f", {k} {v}" for k, v in others.items()))
+        if "data" in result:
+            counts = result["data"]
+            data.setdefault(label, set()).add(
+                f"{counts['passes']:.1f} passes over {counts['train_bytes'] / 1e6:.1f} MB of training text, "
+                f"validation on {counts['validation_bytes'] / 1e6:.2f} MB")
         code = result.get("version", "").partition("src:")[2]  # our code's digest (older JSONs have none)
         for run in result["runs"]:
             name = run["attn"] if run["attn"] in BF16_PEERS or not code else f"{run['attn']} src:{code}"
             groups.setdefault(label, {}).setdefault(name, []).append(run["validation_loss"])
     lines = []
     for label, by_attn in groups.items():
-        lines += ["", f"== {label}", f"{'attention':24s} {'runs':>4s} {'mean':>8s} {'sd':>8s}  validation losses"]
+        lines += ["", f"== {label}", *sorted(data.get(label, ())),
+                  f"{'attention':24s} {'runs':>4s} {'mean':>8s} {'sd':>8s}  validation losses"]
         peers = [name for name in BF16_PEERS if name in by_attn]
         pooled = [x for name in peers for x in by_attn[name]]
         rows = list(by_attn.items()) + ([(f"BF16 ({', '.join(peers)})", pooled)] if pooled else [])

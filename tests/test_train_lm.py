@@ -79,8 +79,8 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
     """``--summarize``: runs of one configuration and seed pool (whatever process or file they came from),
     another seed or ``--qk-norm`` is another group, an older JSON's option that was off (``center_kv``) or a
     JSON without a version joins as the current script would have run it, a JSON from before ``--corpus``
-    is a group of the corpus it ran on, our runs of other code are another row, and the BF16 peers pool
-    into one mean that each of ours is compared with."""
+    is a group of the corpus it ran on, our runs of other code are another row, the BF16 peers pool into
+    one mean that each of ours is compared with, and a group says what its runs trained on where saved."""
     args = vars(train_lm.parse_args([]))
 
     def saved(name, runs, version="v1 src:aaaa", **changes):
@@ -97,6 +97,9 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
              saved("e.json", [("hopper", 2.00), ("varlen", 2.10)], seed=1),
              saved("f.json", [("hopper", 3.00)], qk_norm=True),
              saved("g.json", [("hopper", 4.00), ("varlen", 4.10)], version="v3 src:aaaa")]
+    with_data = json.loads((tmp_path / "f.json").read_text())
+    with_data["data"] = dict(passes=1.4, train_bytes=22.9e6, validation_bytes=1.25e6)
+    (tmp_path / "f.json").write_text(json.dumps(with_data))
     stdlib_run = json.loads((tmp_path / "g.json").read_text())
     del stdlib_run["args"]["corpus"]  # saved before --corpus existed: the standard library's text
     (tmp_path / "g.json").write_text(json.dumps(stdlib_run))
@@ -116,6 +119,8 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
     assert "hopper src:bbbb - BF16: +0.4800 (standard error -)" in seed0
     assert "hopper src:aaaa - BF16: -0.1000 (standard error -)" in groups["no QK-norm, seed 1"]
     assert "BF16" not in groups["QK-norm, seed 0"]  # no peer ran there: nothing to compare with
+    trained_on = groups["QK-norm, seed 0"].splitlines()[1]
+    assert trained_on == "1.4 passes over 22.9 MB of training text, validation on 1.25 MB"
 
 
 def test_hybrid_attention_takes_its_output_from_one_attention_and_the_named_gradients_from_the_other():
