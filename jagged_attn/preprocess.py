@@ -3,7 +3,8 @@
 Input file (safetensors, or a torch ``.pt`` dict saved with ``torch.save``):
 
 * ``values``: bfloat16 / float16 / float32, ``[total, heads, D]`` or ``[total, D]``
-  (``heads=H`` reads ``[total, H * D]`` as ``[total, H, D]``); D a multiple of 32;
+  (``heads=H`` reads ``[total, H * D]`` as ``[total, H, D]``); D a multiple of 32, ``heads * D`` at most
+  ``MAX_ROW_VALUES`` (16M);
 * and exactly one of ``offsets`` (int32/int64 ``[B + 1]``, starting at 0, ending at ``total``) or
   ``lengths`` (fbgemm's form: int32/int64 ``[B]``, turned into int64 offsets).
 
@@ -52,6 +53,9 @@ DEFAULT_CHUNK_VALUES = 1 << 24
 # are a 32nd of a token's values, so a chunk's scales stay within one byte per value of a full chunk.
 PADDED_ROWS_PER_TOKEN = BLOCK_SIZE
 COMPILE_MIN_VALUES = 1 << 22  # below this, compiling the quantizer costs more than it saves
+# A token's values (heads * D), at most: every sequence, an empty one too, places 128 rows of scales (4 bytes
+# per value of a row), so wider rows would let a small file of empty sequences ask for gigabytes at once.
+MAX_ROW_VALUES = DEFAULT_CHUNK_VALUES
 INDEX_KEYS = ("offsets", "lengths")
 CHUNKS_IN_FLIGHT = 2  # quantized chunks waiting for the writer thread, at most
 WRITER_CORES = 1  # cores the CPU quantizer leaves to the writer thread
@@ -382,6 +386,9 @@ def preprocess_file(
     offsets, shape = source.offsets.to(torch.int64), source.shape
     total, batch = shape[0], offsets.numel() - 1
     row_values = shape[1] * (shape[2] if len(shape) == 3 else 1)
+    if row_values > MAX_ROW_VALUES:
+        raise ValueError(f"{input_path}: {row_values} values a token, at most {MAX_ROW_VALUES} here (each sequence, "
+                         f"even an empty one, places 128 rows of their scales)")
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_VALUES // row_values)
     if compile is None:
         compile = total * row_values > COMPILE_MIN_VALUES

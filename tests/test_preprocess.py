@@ -142,6 +142,9 @@ def test_lengths_form_and_heads_reshape(tmp_path, container):
             None,
             "float32, bfloat16 or float16",
         ),
+        # No tokens, but a row of 2^25 values: its one empty sequence alone would place 512 MiB of scales.
+        ({"values": torch.empty(0, 2**25), "lengths": torch.tensor([0])}, None, "at most 16777216"),
+        ({"values": torch.empty(0, 2, 2**24), "lengths": torch.tensor([0])}, None, "at most 16777216"),
     ],
 )
 def test_bad_inputs_are_rejected(tmp_path, tensors, heads, message):
