@@ -65,6 +65,7 @@ CORPORA = ("sources", "stdlib")
 SOURCE_SUFFIXES = (".py", ".h", ".hpp", ".cuh")  # torch's Python and its C++ / CUDA headers
 NOT_SOURCES = ("test", "tests", "idlelib", "site-packages", "dist-packages")  # test suites, a GUI, installed packages
 GENERATED = b"@generated"  # torchgen's mark, near the top of a generated file (7k near-identical op headers)
+GENERATED_WITHIN = 2048  # bytes of a file searched for it, whatever --max-doc keeps
 
 
 def _files(root: str, suffixes: tuple[str, ...], skip: tuple[str, ...] = ()) -> list[str]:
@@ -89,12 +90,13 @@ def corpus_files(corpus: str) -> list[str]:
 def documents(corpus: str, max_doc: int, limit: int | None = None) -> tuple[list[bytes], list[bytes]]:
     """(train, validation) byte documents: the first ``limit`` files of :func:`corpus_files`, each cut to
     ``max_doc`` bytes; every 20th file goes to validation. Files of fewer than 2 bytes, and in ``sources``
-    generated ones (``GENERATED`` in their first 2 KB), are left out."""
+    generated ones (``GENERATED`` in their first ``GENERATED_WITHIN`` bytes), are left out."""
     train, validation = [], []
     for index, path in enumerate(corpus_files(corpus)[:limit]):
         with open(path, "rb") as source:
-            text = source.read(max_doc)
-        if len(text) < 2 or (corpus == "sources" and GENERATED in text[:2048]):
+            head = source.read(max(max_doc, GENERATED_WITHIN))
+        text = head[:max_doc]
+        if len(text) < 2 or (corpus == "sources" and GENERATED in head[:GENERATED_WITHIN]):
             continue
         (validation if index % 20 == 10 else train).append(text)
     return train, validation
