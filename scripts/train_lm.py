@@ -32,7 +32,8 @@ so two runs of one configuration part within a few dozen steps; on the ``stdlib`
 to ~0.03 nats apart, and one run a side could not hold a 0.01-nat comparison. ``--summarize`` reads the
 JSONs of several runs (separate processes, separate device calls) and prints, per configuration and seed,
 each attention's mean and spread and its difference from the BF16 peers' pooled mean, with that
-difference's standard error:
+difference's standard error; then, where a configuration ran with several seeds (``--seed``: other initial
+weights and another data order), the seeds paired: each seed's difference, their mean and its standard error:
 
     python3 scripts/train_lm.py --summarize docs/train/*.json
 """
@@ -351,44 +352,63 @@ def summary(results: list[dict]) -> str:
     validation loss and sample standard deviation; per attention other than the BF16 peers
     (``BF16_PEERS``, pooled) its mean less theirs, with the difference's standard error
     sqrt(s1^2 / n1 + s2^2 / n2) where both sides have two runs or more. Under a group's title, what its
-    runs trained on (passes over how much text: the JSONs' ``data``, where they have it)."""
+    runs trained on (passes over how much text: the JSONs' ``data``, where they have it).
+
+    Then, per configuration run with two seeds or more, the seeds paired: for each of ours, its difference
+    from BF16 in every seed where both ran, their mean and its standard error (the per-seed differences'
+    sample standard deviation over the square root of their count). A seed fixes the initial weights and
+    the data order, so this difference is the one that holds for other draws of both, not only for the
+    run-to-run spread of one."""
     defaults = vars(parse_args([]))
-    groups: dict[str, dict[str, list[float]]] = {}
-    data: dict[str, set[str]] = {}  # per group, what its runs trained on, where their JSONs say
+    # (QK-norm or not, the other options off their defaults) -> seed -> attention -> validation losses
+    groups: dict[tuple[str, str], dict[int, dict[str, list[float]]]] = {}
+    data: dict[tuple[str, str], set[str]] = {}  # per configuration, what its runs trained on, where their JSONs say
     for result in results:
         config = configuration(result["args"], defaults)
         others = {k: v for k, v in config.items() if k not in ("qk_norm", "seed") and defaults.get(k) != v}
-        label = (f"{'QK-norm' if config.get('qk_norm') else 'no QK-norm'}, seed {config.get('seed')}"
-                 + "".join(f", {k} {v}" for k, v in others.items()))
+        label = ("QK-norm" if config.get("qk_norm") else "no QK-norm", "".join(f", {k} {v}" for k, v in others.items()))
         if "data" in result:
             counts = result["data"]
             data.setdefault(label, set()).add(
                 f"{counts['passes']:.1f} passes over {counts['train_bytes'] / 1e6:.1f} MB of training text, "
                 f"validation on {counts['validation_bytes'] / 1e6:.2f} MB")
         code = result.get("version", "").partition("src:")[2]  # our code's digest (older JSONs have none)
+        by_attn = groups.setdefault(label, {}).setdefault(config.get("seed"), {})
         for run in result["runs"]:
             name = run["attn"] if run["attn"] in BF16_PEERS or not code else f"{run['attn']} src:{code}"
-            groups.setdefault(label, {}).setdefault(name, []).append(run["validation_loss"])
+            by_attn.setdefault(name, []).append(run["validation_loss"])
     lines = []
-    for label, by_attn in groups.items():
-        lines += ["", f"== {label}", *sorted(data.get(label, ())),
-                  f"{'attention':24s} {'runs':>4s} {'mean':>8s} {'sd':>8s}  validation losses"]
-        peers = [name for name in BF16_PEERS if name in by_attn]
-        pooled = [x for name in peers for x in by_attn[name]]
-        rows = list(by_attn.items()) + ([(f"BF16 ({', '.join(peers)})", pooled)] if pooled else [])
-        for name, values in rows:
-            sd = f"{statistics.stdev(values):8.4f}" if len(values) > 1 else f"{'-':>8s}"
-            lines.append(f"{name:24s} {len(values):4d} {statistics.fmean(values):8.4f} {sd}  "
-                         + " ".join(f"{x:.4f}" for x in values))
-        for name, values in by_attn.items():
-            if name in BF16_PEERS or not pooled:
-                continue
-            difference = statistics.fmean(values) - statistics.fmean(pooled)
-            error = "-"
-            if len(values) > 1 and len(pooled) > 1:
-                spread = statistics.variance(values) / len(values) + statistics.variance(pooled) / len(pooled)
-                error = f"{math.sqrt(spread):.4f}"
-            lines.append(f"{name} - BF16: {difference:+.4f} (standard error {error})")
+    for label, by_seed in groups.items():
+        differences: dict[str, dict[int, float]] = {}  # ours -> seed -> its mean less BF16's
+        for seed, by_attn in by_seed.items():
+            lines += ["", f"== {label[0]}, seed {seed}{label[1]}", *sorted(data.get(label, ())),
+                      f"{'attention':24s} {'runs':>4s} {'mean':>8s} {'sd':>8s}  validation losses"]
+            peers = [name for name in BF16_PEERS if name in by_attn]
+            pooled = [x for name in peers for x in by_attn[name]]
+            rows = list(by_attn.items()) + ([(f"BF16 ({', '.join(peers)})", pooled)] if pooled else [])
+            for name, values in rows:
+                sd = f"{statistics.stdev(values):8.4f}" if len(values) > 1 else f"{'-':>8s}"
+                lines.append(f"{name:24s} {len(values):4d} {statistics.fmean(values):8.4f} {sd}  "
+                             + " ".join(f"{x:.4f}" for x in values))
+            for name, values in by_attn.items():
+                if name in BF16_PEERS or not pooled:
+                    continue
+                difference = statistics.fmean(values) - statistics.fmean(pooled)
+                differences.setdefault(name, {})[seed] = difference
+                error = "-"
+                if len(values) > 1 and len(pooled) > 1:
+                    spread = statistics.variance(values) / len(values) + statistics.variance(pooled) / len(pooled)
+                    error = f"{math.sqrt(spread):.4f}"
+                lines.append(f"{name} - BF16: {difference:+.4f} (standard error {error})")
+        paired = {name: by for name, by in differences.items() if len(by) > 1}
+        if paired:
+            lines += ["", f"== {label[0]}{label[1]}, seeds paired"]
+        for name, by in paired.items():
+            seeds = sorted(by)
+            values = [by[seed] for seed in seeds]
+            error = statistics.stdev(values) / math.sqrt(len(values))
+            lines.append(f"{name} - BF16 over {len(values)} seeds: {statistics.fmean(values):+.4f} (standard error "
+                         f"{error:.4f}; per seed " + ", ".join(f"{s}: {by[s]:+.4f}" for s in seeds) + ")")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -77,7 +78,8 @@ def test_a_few_steps_lower_the_loss(tmp_path):
 
 def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_difference_from_bf16(tmp_path, capsys):
     """``--summarize``: runs of one configuration and seed pool (whatever process or file they came from),
-    another seed or ``--qk-norm`` is another group, an older JSON's option that was off (``center_kv``) or a
+    another seed or ``--qk-norm`` is another group, the seeds of one configuration are then paired (the mean of
+    each seed's difference from BF16, and its standard error), an older JSON's option that was off (``center_kv``) or a
     JSON without a version joins as the current script would have run it, a JSON from before ``--corpus``
     is a group of the corpus it ran on, our runs of other code are another row, the BF16 peers pool into
     one mean that each of ours is compared with, and a group says what its runs trained on where saved."""
@@ -107,7 +109,7 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
     text = capsys.readouterr().out
     groups = {block.splitlines()[0]: block for block in text.split("\n== ")[1:]}
     assert set(groups) == {"no QK-norm, seed 0", "no QK-norm, seed 1", "QK-norm, seed 0",
-                           "no QK-norm, seed 0, corpus stdlib"}
+                           "no QK-norm, seed 0, corpus stdlib", "no QK-norm, seeds paired"}
     assert "hopper src:aaaa - BF16: -0.1000" in groups["no QK-norm, seed 0, corpus stdlib"]
     seed0 = groups["no QK-norm, seed 0"]
     rows = {line[:24].strip(): line[24:].split()[:3] for line in seed0.splitlines()[2:] if " - BF16" not in line}
@@ -118,6 +120,10 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
     assert f"hopper src:aaaa - BF16: -0.0100 (standard error {error:.4f})" in seed0
     assert "hopper src:bbbb - BF16: +0.4800 (standard error -)" in seed0
     assert "hopper src:aaaa - BF16: -0.1000 (standard error -)" in groups["no QK-norm, seed 1"]
+    paired = groups["no QK-norm, seeds paired"].splitlines()[1:]  # only code that ran with both seeds
+    error = statistics.stdev([-0.01, -0.10]) / math.sqrt(2)
+    assert paired == [f"hopper src:aaaa - BF16 over 2 seeds: -0.0550 (standard error {error:.4f}; "
+                      "per seed 0: -0.0100, 1: -0.1000)"]
     assert "BF16" not in groups["QK-norm, seed 0"]  # no peer ran there: nothing to compare with
     trained_on = groups["QK-norm, seed 0"].splitlines()[1]
     assert trained_on == "1.4 passes over 22.9 MB of training text, validation on 1.25 MB"
