@@ -31,7 +31,7 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
     is what gets quantized; dQ rows and dK rows divide them back out). Tokens of small norm then keep
     their precision, and every value already lies on its token's e4m3 grid, at most 448: a further
     power-of-two scale per (sequence, channel) would change no rounding above e4m3's smallest normal,
-    2^-6, i.e. none but of elements over ~2^13.8 below their token's largest (whose absolute error
+    2^-6, so only that of elements over ~2^13.8 below their token's largest (whose absolute error
     stays under 2^-10, against up to 16 for the token's largest elements), and it would cost a pass
     over the tensor for its maxima. K's copy holds the same bytes as its feature copy, transposed.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
