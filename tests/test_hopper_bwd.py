@@ -16,7 +16,6 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from jagged_attn.kernels.common import layout
 from jagged_attn.kernels.portable import backward as portable_backward
@@ -319,35 +318,6 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
             assert_data_identical(tensor, expected[name])
         else:
             assert torch.equal(tensor, expected[name]), f"{name} differs from the oracle"
-
-
-@settings(max_examples=12, deadline=None)
-@given(lengths=st.lists(st.sampled_from([0, 1, 31, 32, 33, 127, 128, 129, 300]), min_size=1, max_size=4),
-       kind=st.sampled_from(("gaussian", "outlier", "heavy", "biased_k")))
-def test_query_and_key_copies_take_one_pass_and_no_channel_scale(lengths, kind):
-    """The backward reads Q and K once each: only dO's sequence copy takes a maxima pass first, Q^T and
-    K^T carry no (sequence, channel) scale, and K^T holds the bytes of K's feature copy (one scale per
-    token), transposed, in every token of every sequence."""
-    q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, 4, 2, 64, kind=kind)
-    out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
-    launches = []
-    maxima_pass = backward_passes._sequence_amax_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return maxima_pass[grid]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backward_passes, "_sequence_amax_kernel", Counted())
-        prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets, offsets)
-    assert len(launches) == (1 if q.shape[0] else 0)  # dO's
-    assert prep.q.sequence_scale is None and prep.k.sequence_scale is None
-    assert prep.do.sequence_scale is not None
-    columns = torch.cat([torch.arange(length) + padded_seq_start(start, b) for b, (start, length)
-                         in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist()))])
-    assert torch.equal(prep.k.sequence[..., columns].view(torch.uint8),
-                       prep.k.feature.permute(1, 2, 0).view(torch.uint8))
 
 
 @pytest.mark.parametrize("order, key_slot", [(layout.PV_ORDER, layout.pv_key_slot),
