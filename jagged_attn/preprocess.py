@@ -63,7 +63,8 @@ _PROGRESS_INTERVAL_S = 0.25  # the terminal line is rewritten at most 4 times a 
 
 
 class _JaggedSource:
-    """Row ranges of ``values`` and the whole offsets of an input file, read lazily."""
+    """Row ranges of ``values`` (``row_values`` values a token, at most ``MAX_ROW_VALUES``) and the whole
+    offsets of an input file, read lazily."""
 
     def __init__(self, path, heads):
         self.path = os.fspath(path)
@@ -78,6 +79,10 @@ class _JaggedSource:
             raise ValueError(f"{self.path}: no 'values' tensor (keys: {sorted(tensors)})")
         self.offsets = _offsets_of(tensors, self.path)
         self.shape = _heads_shape(shape, heads, self.path)
+        self.row_values = self.shape[1] * (self.shape[2] if len(self.shape) == 3 else 1)  # values a token
+        if self.row_values > MAX_ROW_VALUES:
+            raise ValueError(f"{self.path}: {self.row_values} values a token, at most {MAX_ROW_VALUES} here (each "
+                             f"sequence, even an empty one, places 128 rows of their scales)")
         empty = self.rows(0, 0)
         check_values(empty, f"{self.path}: values")
         self.dtype = empty.dtype
@@ -385,10 +390,7 @@ def preprocess_file(
     source = _JaggedSource(input_path, heads)
     offsets, shape = source.offsets.to(torch.int64), source.shape
     total, batch = shape[0], offsets.numel() - 1
-    row_values = shape[1] * (shape[2] if len(shape) == 3 else 1)
-    if row_values > MAX_ROW_VALUES:
-        raise ValueError(f"{input_path}: {row_values} values a token, at most {MAX_ROW_VALUES} here (each sequence, "
-                         f"even an empty one, places 128 rows of their scales)")
+    row_values = source.row_values
     chunk_tokens = chunk_tokens or max(1, DEFAULT_CHUNK_VALUES // row_values)
     if compile is None:
         compile = total * row_values > COMPILE_MIN_VALUES
