@@ -7,10 +7,12 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import train_bar  # noqa: E402
 import train_lm  # noqa: E402
 
 
@@ -156,3 +158,33 @@ def test_attention_choices_parse_hybrids_and_backend_options():
         except SystemExit:
             continue
         raise AssertionError(bad)
+
+
+def test_run_all_keeps_its_parallelism_reports_failures_and_starts_nothing_past_its_budget(tmp_path):
+    """Each run in its own process, at most ``parallel`` at once, its exit code reported (a failed run does
+    not stop the others); past the budget (time so far plus the longest run) nothing more starts."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(1.0)"]
+    runs = [train_bar.Run(f"r{i}", sleep, str(tmp_path / f"r{i}.log")) for i in range(4)]
+    runs.insert(1, train_bar.Run("fails", [sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path / "f.log")))
+    start = time.monotonic()
+    codes = train_bar.run_all(runs, parallel=2)
+    took = time.monotonic() - start
+    assert codes == {"r0": 0, "fails": 3, "r1": 0, "r2": 0, "r3": 0}
+    assert 2.0 <= took < 3.6  # four sleeps two at a time (one after another: 4 s)
+    codes = train_bar.run_all(runs[2:], parallel=1, budget=1.5)
+    assert codes == {"r1": 0, "r2": None, "r3": None}  # 1 s so far + 1 s a run would pass 1.5 s
+
+
+def test_train_bar_runs_each_seed_with_and_without_qk_norm_and_summarizes_them(tmp_path, capsys):
+    tiny = ["--steps", "2", "--layers", "1", "--dim", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+            "--batch-tokens", "1024", "--max-files", "60", "--val-batches", "1"]
+    code = train_bar.main(["--attn", "reference", "--seeds", "5", "--parallel", "2", "--out", str(tmp_path), "--",
+                           *tiny])
+    assert code == 0
+    for qk in (False, True):
+        with open(tmp_path / f"{'qk' if qk else 'no-qk'}-seed5-reference" / "train_lm.json") as f:
+            result = json.load(f)
+        assert result["args"]["seed"] == 5 and result["args"]["qk_norm"] == qk and result["args"]["steps"] == 2
+        assert [run["attn"] for run in result["runs"]] == ["reference"]
+    printed = capsys.readouterr().out
+    assert "== no QK-norm, seed 5" in printed and "== QK-norm, seed 5" in printed
