@@ -5,11 +5,11 @@ each in a process of its own, ``--parallel`` at a time, then the ``--summarize``
         [-- TRAIN_LM_ARGS]
 
 Run ``(seed, qk, attn)`` writes ``OUT/<no-qk|qk>-seed<seed>-<attn>/train_lm.json`` and its log beside the
-folder (``.log``). The runs are ordered seed by seed, so that what finishes first pairs up. One process per
-run: a failed run (out of memory, say) costs only itself, and the table pools what did finish. With
-``--budget S`` no run starts once the time so far plus the longest finished run would pass S seconds;
-runs already going finish. Runs that share a GPU take longer: their step times are not speeds. Exits
-non-zero if a run failed.
+folder (``.log``; a hybrid's ``/`` and ``:`` become ``_`` there). The runs are ordered seed by seed, so that
+what finishes first pairs up. One process per run: a failed run (out of memory, say) costs only itself, and
+the table pools what did finish. With ``--budget S`` no run starts once the time so far plus the longest
+finished run would pass S seconds; runs already going finish. Runs that share a GPU take longer: their
+step times are not speeds. Exits non-zero if a run failed.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ class Run(NamedTuple):
 
 
 def bar_runs(attns, seeds, out, extra=()) -> list[Run]:
-    """The ``train_lm.py`` runs of the bar: per seed, without then with QK-norm, each attention."""
+    """The ``train_lm.py`` runs of the bar: per seed, without then with QK-norm, each attention (a hybrid's
+    ``/`` and ``:`` become ``_`` in its run's name, which names a folder)."""
     runs = []
     for seed in seeds:
         for qk in (False, True):
             for attn in attns:
-                name = f"{'qk' if qk else 'no-qk'}-seed{seed}-{attn}"
+                name = f"{'qk' if qk else 'no-qk'}-seed{seed}-{attn.replace('/', '_').replace(':', '_')}"
                 argv = [sys.executable, TRAIN_LM, "--attn", attn, "--seed", str(seed),
                         "--out", os.path.join(out, name), *(["--qk-norm"] if qk else []), *extra]
                 runs.append(Run(name, argv, os.path.join(out, f"{name}.log")))

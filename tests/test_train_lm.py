@@ -175,6 +175,16 @@ def test_run_all_keeps_its_parallelism_reports_failures_and_starts_nothing_past_
     assert codes == {"r1": 0, "r2": None, "r3": None}  # 1 s so far + 1 s a run would pass 1.5 s
 
 
+def test_bar_runs_go_seed_by_seed_and_name_one_folder_each(tmp_path):
+    runs = train_bar.bar_runs(["hopper", "varlen/hopper:q"], [3, 4], str(tmp_path), ["--steps", "7"])
+    assert [run.name for run in runs[:4]] == ["no-qk-seed3-hopper", "no-qk-seed3-varlen_hopper_q",
+                                              "qk-seed3-hopper", "qk-seed3-varlen_hopper_q"]
+    assert len(runs) == 8 and all(os.path.dirname(run.log) == str(tmp_path) for run in runs)
+    argv = runs[3].argv
+    assert argv[argv.index("--attn") + 1] == "varlen/hopper:q" and "--qk-norm" in argv and argv[-2:] == ["--steps", "7"]
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "qk-seed3-varlen_hopper_q")
+
+
 def test_train_bar_runs_each_seed_with_and_without_qk_norm_and_summarizes_them(tmp_path, capsys):
     tiny = ["--steps", "2", "--layers", "1", "--dim", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
             "--batch-tokens", "1024", "--max-files", "60", "--val-batches", "1"]
