@@ -15,7 +15,6 @@ step times are not speeds. Exits non-zero if a run failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -92,13 +91,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     runs = bar_runs(args.attn, args.seeds, args.out, extra)
     codes = run_all(runs, args.parallel, args.budget)
-    results = []
-    for run in runs:
-        path = os.path.join(args.out, run.name, "train_lm.json")
-        if codes[run.name] == 0 and os.path.exists(path):
-            with open(path) as f:
-                results.append(json.load(f))
-    print(train_lm.summary(results))
+    finished = [os.path.join(args.out, run.name, "train_lm.json") for run in runs if codes[run.name] == 0]
+    if finished:
+        train_lm.main(["--summarize", *finished])
     failed = [f"{run.name} (exit {codes[run.name]}, {run.log})" for run in runs if codes[run.name] not in (0, None)]
     if failed:
         print("failed: " + "; ".join(failed))
