@@ -632,24 +632,28 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
         assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
 
 
-@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "q-fp8", "v-fp8"])
+@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "q-fp8", "k", "k-fp8", "v-fp8"])
 def test_producer_passes_compile_to_sm90_without_spills(tensor):
     """Both passes of the producer as the default backward launches them for dO (Delta, the padded vectors, bf16
     feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group of two), and as the
-    FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of tokens; V's one pass) compile
+    FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of tokens; V's one pass), and for
+    K in either path (bf16 or e4m3 feature values, one scale per token, token-normalized), compile
     for sm_90 without spills, in at most 168 registers: three programs of four warps per SM (a whole slot at
     a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14). With the LSE's gradient
     taken into Delta (only when the loss differentiates through the LSE) dO's takes 190. The chunk-scaled
     passes run eight warps (``quantize_warps``) in at most 128: two programs of eight warps, no fewer warps
-    an SM than three of four."""
+    an SM than three of four. Every pass keeps all its e4m3 conversions in the SASS: Triton 3.6's ptxas
+    (CUDA 12.8) merges identical ones (the same values cast for two copies), and where it did, some of the
+    merged results' consumers read registers no conversion wrote (docs/perf-history.md v54)."""
     ws = backward_passes
     is_do, is_q, fp8_copy = tensor.startswith("dout"), tensor.startswith("q"), tensor.endswith("fp8")
+    is_k = tensor.startswith("k")
     with_dlse = tensor == "dout+dlse"
     rows = dict(SCALE_ROW=ws.Q_FACTOR.value if is_q else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
                 Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=is_q,
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=is_q or is_k,
                  GROUP=2 if is_q else 1, CHUNK=backward_passes.PRODUCER_CHUNK)
-    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy else 1,
+    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy and not is_k else 1,
                     SEQUENCE=tensor != "v-fp8", DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value,
                     INTERPRET=False, **rows)
     passes = ([] if tensor == "v-fp8" else [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)])
@@ -666,6 +670,8 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
         assert "0 bytes spill stores" in report, kernel
         bound = 192 if with_dlse else 128 if warps == 8 else 168
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= bound, kernel
+        conversions = ptx.count("cvt.rn.satfinite.e4m3x2.f32")
+        assert sass(ptx, 90).count("F2FP.SATFINITE.E4M3.F32") == conversions, kernel
 
 
 # ----------------------------------------------------------------------------- GPU
