@@ -7,6 +7,7 @@ fresh Python process with the interpreter off.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -91,6 +92,7 @@ def sass(ptx: str, arch: int = 90) -> str:
     return _assemble(ptx, arch)[1]
 
 
+@functools.lru_cache(maxsize=4)  # a test reads both the report and the SASS of one PTX: assemble it once
 def _assemble(ptx: str, arch: int) -> tuple[str, str]:
     import tempfile
 
