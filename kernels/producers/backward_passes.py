@@ -202,11 +202,12 @@ def _quantize_kernel(
                          tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
                 q_factor = tl.load(query_scale_ptr + h * total + tokens, mask=in_seq, other=0.0)
                 tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
+        token_byte = _token_scale_byte(x)  # the feature copy's (unless a chunk shares one), the normalized copy's
         if FEATURE:
-            byte = _token_scale_byte(x)
+            byte = token_byte
             if FEATURE_GROUP > 1:
                 tl.static_assert(FEATURE_GROUP == CHUNK, "a feature scale's group is one chunk of tokens")
-                tl.store(token_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+                tl.store(token_scale_ptr + h * total + tokens, scale_value(token_byte), mask=in_seq)
                 byte = tl.zeros_like(byte) + tl.max(byte, axis=0)
             data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
             if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
@@ -220,7 +221,7 @@ def _quantize_kernel(
                 tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, row_factor, 0.0))
         if SEQUENCE:  # the whole slot, zeros past the end
             if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
-                data = fp8.to_e4m3_paired_apart(x * scale_factor(_token_scale_byte(x))[:, None], INTERPRET)
+                data = fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
             else:
                 data = fp8.to_e4m3(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,
