@@ -16,6 +16,7 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from jagged_attn.kernels.common import layout
 from jagged_attn.kernels.portable import backward as portable_backward
@@ -235,24 +236,29 @@ def grouped_bytes(token_byte, offsets, tokens):
 
 def producer_oracle(x, offsets, *, group, normalize_tokens, out=None, lse=None, dlse=None, feature_group=1):
     """What ``backward_passes.quantize_for_backward`` writes, in torch (name -> tensor): the sequence-axis copy at the
-    columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end."""
+    columns of each sequence's whole 128-token slots (:func:`written_columns`), zeros past its end, with
+    ``normalize_tokens`` each token over its own scale and no ``sequence_scale`` (None)."""
     values = x.float()
     token_byte = scale_bytes(values.abs().amax(-1))  # [total, H]
     feature_byte = grouped_bytes(token_byte, offsets, feature_group)
     expected = dict(feature=quantize_with_factors(values, scale_factors(feature_byte)[..., None]),
                     feature_scale=descale_factors(feature_byte).T, token_scale=descale_factors(token_byte).T)
-    if normalize_tokens:
-        values = values * scale_factors(token_byte)[..., None]
     _, heads, dim = x.shape
-    sequence, sequence_scale = [], torch.zeros(heads // group, offsets.numel() - 1, dim)
+    sequence, sequence_scale = [], None if normalize_tokens else torch.zeros(heads // group, offsets.numel() - 1, dim)
     for b, (start, length) in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist())):
         if length == 0:  # no slot; its scales stay zero
             continue
         seq = torch.zeros(-(-length // 128) * 128, heads, dim)
         seq[:length] = values[start:start + length]
-        byte = scale_bytes(seq.abs().amax(0).view(heads // group, group, dim).amax(1))  # [H / group, D]
-        sequence_scale[:, b] = descale_factors(byte)
-        sequence.append(quantize_with_factors(seq, scale_factors(byte).repeat_interleave(group, 0)).permute(1, 2, 0))
+        if normalize_tokens:
+            factors = scale_factors(token_byte[start:start + length])[..., None]
+            seq[:length] = quantize_with_factors(seq[:length], factors).float()
+            seq = seq.to(torch.float8_e4m3fn)  # exact: e4m3 values and zeros
+        else:
+            byte = scale_bytes(seq.abs().amax(0).view(heads // group, group, dim).amax(1))  # [H / group, D]
+            sequence_scale[:, b] = descale_factors(byte)
+            seq = quantize_with_factors(seq, scale_factors(byte).repeat_interleave(group, 0))
+        sequence.append(seq.permute(1, 2, 0))
     expected.update(sequence=torch.cat(sequence, -1), sequence_scale=sequence_scale)
     if out is not None:
         delta = softmax_delta(x, out, dlse)
@@ -304,13 +310,44 @@ def test_producer_matches_oracle(monkeypatch, dim, group, normalize_tokens, with
     expected = producer_oracle(x, offsets, **options)
     assert got.keys() == expected.keys()
     for name, tensor in got.items():
-        if name == "delta":  # a sum over head_dim, added in another order: to its rounding
+        if tensor is None:
+            assert expected[name] is None, f"{name} missing"
+        elif name == "delta":  # a sum over head_dim, added in another order: to its rounding
             bound = 1e-5 * ((x.float() * out.float()).abs().sum(-1) + (0 if dlse is None else dlse.abs())).T
             assert ((tensor - expected[name]).abs() <= bound).all(), "delta differs from the oracle"
         elif tensor.dtype == torch.float8_e4m3fn:
             assert_data_identical(tensor, expected[name])
         else:
             assert torch.equal(tensor, expected[name]), f"{name} differs from the oracle"
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.sampled_from([0, 1, 31, 32, 33, 127, 128, 129, 300]), min_size=1, max_size=4),
+       kind=st.sampled_from(("gaussian", "outlier", "heavy", "biased_k")))
+def test_query_and_key_copies_take_one_pass_and_no_channel_scale(lengths, kind):
+    """The backward reads Q and K once each: only dO's sequence copy takes a maxima pass first, Q^T and
+    K^T carry no (sequence, channel) scale, and K^T holds the bytes of K's feature copy (one scale per
+    token), transposed, in every token of every sequence."""
+    q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, 4, 2, 64, kind=kind)
+    out, lse = forward_of(q, k, v, offsets, offsets, False, 0.125)
+    launches = []
+    maxima_pass = backward_passes._sequence_amax_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return maxima_pass[grid]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backward_passes, "_sequence_amax_kernel", Counted())
+        prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets, offsets)
+    assert len(launches) == (1 if q.shape[0] else 0)  # dO's
+    assert prep.q.sequence_scale is None and prep.k.sequence_scale is None
+    assert prep.do.sequence_scale is not None
+    columns = torch.cat([torch.arange(length) + padded_seq_start(start, b) for b, (start, length)
+                         in enumerate(zip(offsets[:-1].tolist(), offsets.diff().tolist()))])
+    assert torch.equal(prep.k.sequence[..., columns].view(torch.uint8),
+                       prep.k.feature.permute(1, 2, 0).view(torch.uint8))
 
 
 @pytest.mark.parametrize("order, key_slot", [(layout.PV_ORDER, layout.pv_key_slot),
@@ -327,7 +364,8 @@ def test_ordered_copies_are_the_natural_copy_permuted_in_each_slot(order, key_sl
     columns = torch.arange(128, natural.sequence.shape[2])  # the empty sequence 0's slot is never written or read
     slots = columns // 128 * 128 + key_slot(columns % 128)
     assert torch.equal(reordered.sequence[..., slots].view(torch.uint8), natural.sequence[..., 128:].view(torch.uint8))
-    for name in ("feature", "feature_scale", "sequence_scale"):
+    assert natural.sequence_scale is None and reordered.sequence_scale is None  # token-normalized
+    for name in ("feature", "feature_scale"):
         a, b = getattr(natural, name), getattr(reordered, name)
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
@@ -362,9 +400,9 @@ def test_producers_never_wait_for_the_longest_sequence(monkeypatch):
         prep.max_len_q  # the Triton kernels' grids still read it
 
 
-def test_finish_dq_pass_applies_channel_and_token_scales():
-    """``_finish_dq_kernel``: dQ = sums x K^T's (sequence, channel) scale x softmax scale / the
-    query's token scale, for every token of every sequence (poisoned output)."""
+def test_finish_dq_pass_applies_the_softmax_and_token_scales():
+    """``_finish_dq_kernel``: dQ = sums x softmax scale / the query's token scale, for every token of every
+    sequence (poisoned output)."""
     lengths_q, lengths_k, heads_q, heads_kv, dim = [3, 0, 130], [5, 2, 7], 4, 2, 64
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, heads_q, heads_kv, dim)
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
@@ -373,12 +411,8 @@ def test_finish_dq_pass_applies_channel_and_token_scales():
     dq = torch.full_like(q, math.nan)
     tiles = tile_list(offsets_q, q.shape[0], 64)
     backward_passes._finish_dq_kernel[(tiles.shape[0] * heads_q,)](
-        sums, prep.q.token_scale, prep.k.sequence_scale, dq, offsets_q, tiles, q.shape[0], 3, 0.125,
-        HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=dim, TILE=64)
-    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths_q))
-    kv_head = torch.arange(heads_q) // (heads_q // heads_kv)
-    channel = prep.k.sequence_scale[kv_head][:, seq].permute(1, 0, 2)  # [total, Hq, D]
-    expected = sums[: q.shape[0]] * channel * 0.125 / prep.q.token_scale.t()[..., None]
+        sums, prep.q.token_scale, dq, offsets_q, tiles, q.shape[0], 0.125, HEADS_Q=heads_q, HEAD_DIM=dim, TILE=64)
+    expected = sums[: q.shape[0]] * 0.125 / prep.q.token_scale.t()[..., None]
     assert torch.allclose(dq, expected, rtol=1e-6, atol=0)
 
 
@@ -537,6 +571,7 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
         assert torch.equal(b.feature_scale, a.feature_scale), name
         if name != "v":
             assert torch.equal(b.sequence.view(torch.uint8), a.sequence.view(torch.uint8)), name
+        if name == "do":
             assert torch.equal(b.sequence_scale, a.sequence_scale), name
     assert torch.equal(exact.delta, fp8.delta) and torch.equal(exact.lse2, fp8.lse2)
 
@@ -583,7 +618,7 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
     names = ("q_desc", "qt_desc", "k_desc", "kt_desc", "v_desc", "do_desc", "dot_desc", "rows_desc", "dq_desc")
     dq_accum = sm90_backward.dq_accumulator(prep, "cpu", dtype=dq_dtype)
     signature = {name: descriptor_type(d) for name, d in zip(names, sm90_backward._descriptors(prep, dq_accum))}
-    signature.update({name: "*fp32" for name in ("qt_scale", "k_scale", "v_scale", "dot_scale")})
+    signature.update({name: "*fp32" for name in ("k_scale", "v_scale", "dot_scale")})
     signature.update(dk="*bf16", dv="*bf16", offsets_q="*i32", offsets_k="*i32", work="*i32", slots="i32",
                      total_q="i32", total_k="i32", padded_q="i32", batch="i32", softmax_scale="fp32")
     constexprs = dict(HEADS_Q=8, HEADS_KV=2, D=dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
@@ -634,29 +669,30 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
 
 @pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "q-fp8", "k", "k-fp8", "v-fp8"])
 def test_producer_passes_compile_to_sm90_without_spills(tensor):
-    """Both passes of the producer as the default backward launches them for dO (Delta, the padded vectors, bf16
-    feature values, dO^T in pv order) and for Q (token-normalized, shared by a GQA group of two), and as the
-    FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of tokens; V's one pass), and for
-    K in either path (bf16 or e4m3 feature values, one scale per token, token-normalized), compile
+    """The producer's passes as the default backward launches them for dO (its maxima, then Delta, the padded
+    vectors, bf16 feature values, dO^T in pv order on scales shared by a GQA group of two) and for Q (one pass:
+    token-normalized), and as the FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of
+    tokens; one pass each) compile
     for sm_90 without spills, in at most 168 registers: three programs of four warps per SM (a whole slot at
     a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14). With the LSE's gradient
     taken into Delta (only when the loss differentiates through the LSE) dO's takes 190. The chunk-scaled
     passes run eight warps (``quantize_warps``) in at most 128: two programs of eight warps, no fewer warps
-    an SM than three of four. Every pass keeps all its e4m3 conversions in the SASS: Triton 3.6's ptxas
-    (CUDA 12.8) merges identical ones (the same values cast for two copies), and where it did, some of the
-    merged results' consumers read registers no conversion wrote (docs/perf-history.md v54)."""
+    an SM than three of four. K's pass (one scale per token) rounds the same values for both copies, and
+    every pass keeps all its e4m3 conversions in the SASS: ptxas merged two identical ones and left
+    some of their consumers reading registers no conversion wrote (``fp8.to_e4m3_paired_apart``)."""
     ws = backward_passes
     is_do, is_q, fp8_copy = tensor.startswith("dout"), tensor.startswith("q"), tensor.endswith("fp8")
-    is_k = tensor.startswith("k")
+    normalized = is_q or tensor.startswith("k")
     with_dlse = tensor == "dout+dlse"
     rows = dict(SCALE_ROW=ws.Q_FACTOR.value if is_q else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
                 Q_DELTA_ROW=ws.Q_DELTA.value)
-    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, NORMALIZE_TOKENS=is_q or is_k,
-                 GROUP=2 if is_q else 1, CHUNK=backward_passes.PRODUCER_CHUNK)
-    quantize = dict(shape, FEATURE=True, FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy and not is_k else 1,
-                    SEQUENCE=tensor != "v-fp8", DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value,
-                    INTERPRET=False, **rows)
-    passes = ([] if tensor == "v-fp8" else [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)])
+    shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, GROUP=2,
+                 CHUNK=backward_passes.PRODUCER_CHUNK)
+    quantize = dict(shape, NORMALIZE_TOKENS=normalized, FEATURE=True,
+                    FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy and tensor != "k-fp8" else 1,
+                    SEQUENCE=tensor != "v-fp8",
+                    DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value, INTERPRET=False, **rows)
+    passes = [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)] if is_do else []
     passes.append(("_quantize_kernel", quantize, backward_passes.quantize_warps(quantize["FEATURE_GROUP"])))
     for kernel, constexprs, warps in passes:
         names = getattr(backward_passes, kernel).arg_names

@@ -45,6 +45,23 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def to_e4m3_paired_apart(x, INTERPRET: tl.constexpr):
+    """:func:`to_e4m3`, by conversions that pair each thread's elements (1, 3) and (2, 4) where the
+    cast pairs (1, 2) and (3, 4). For a second e4m3 copy of values a kernel also casts: Triton 3.6's
+    ptxas (CUDA 12.8, sm_90a) merges identical ``cvt.rn.satfinite.e4m3x2.f32`` and then leaves some
+    consumers of the merged results reading registers no conversion wrote (seen in the SASS, and as
+    non-finite bf16 copies on an H100); conversions of other pairs are not identical."""
+    if INTERPRET:
+        return to_e4m3(x, INTERPRET)
+    bytes4 = tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 mixed; "
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $3, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $2; "
+        "mov.b32 mixed, {lo, hi}; prmt.b32 $0, mixed, 0, 0x3120; }",
+        "=r,r,r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4)
+    return bytes4.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def rounded_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``dtype`` (bf16, fp16 or fp32), returned as fp32, which
     holds that value exactly. The interpreter's fp32 -> bf16 cast truncates (and its bf16 subnormals

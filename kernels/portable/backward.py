@@ -5,7 +5,8 @@ Dataflow (docs/DESIGN.md section 3), recomputing P from the forward's LSE:
 ``dS = P * (dP - Delta)``; ``dQ = dS K * scale``; ``dK = dS^T Q * scale``.
 
 The operands and their scales are the producers' (``producers.backward_passes``: per-token scales on
-the feature axis, per-(sequence, channel) scales on the sequence axis, P on the static 2^8 scale, dS on
+the feature axis, dO^T's per-(sequence, channel) scales, Q^T and K^T token-normalized with their token
+scales folded into dS, P on the static 2^8 scale, dS on
 a running per-program scale), as the Hopper kernel reads them. Kernels: the main kernel
 (:func:`_dkdv_kernel`, one program per (key tile, sequence, KV head), looping over the query heads of
 its GQA group and their query tiles, accumulating dK and dV in registers and, by default, adding dQ
@@ -159,7 +160,7 @@ class QueryHead:
 
 @triton.jit
 def _dkdv_step(
-    dk_acc, dv_acc, ds_byte, key, head, m_start, dq_desc, dq_row, dq_col, dq_channel_scale, len_q, len_k, diagonal,
+    dk_acc, dv_acc, ds_byte, key, head, m_start, dq_desc, dq_row, dq_col, softmax_scale, len_q, len_k, diagonal,
     padded_q, qk_log2,
     HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, SCORE_ACC_STEP: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
@@ -171,8 +172,8 @@ def _dkdv_step(
     adds the key-bound and causal masks for the tiles that need them. dS is quantized times
     the Q and K token scales (the sequence-axis copies of Q and K are token-normalized), which Q's
     feature copy may not have (``Prepared(query_scale_tokens)``). dv_acc
-    is in units of the dO sequence scales, dk_acc in units of the Q sequence scales times the
-    running dS scale ``2^(ds_byte - 127)`` times the key's token scale (all in the epilogue).
+    is in units of the dO sequence scales, dk_acc in units of the running dS scale ``2^(ds_byte - 127)``
+    times the key's token scale (both in the epilogue).
     """
     m_idx = m_start + tl.arange(0, BLOCK_M)
     m_in = m_idx < len_q
@@ -206,8 +207,8 @@ def _dkdv_step(
     q_t = tl.load(head.qt + transposed)
     dk_acc = tl.dot(ds8_t, tl.trans(q_t), dk_acc * rescale)
     if ACCUMULATE_DQ:
-        dq = tl.dot(tl.trans(ds8_t), tl.trans(key.kt)) * (dq_channel_scale * scale_value(ds_byte))[None, :]
-        dq = dq * scale_inverse(q_token)[:, None]
+        dq_factor = scale_inverse(q_token) * (softmax_scale * scale_value(ds_byte))
+        dq = tl.dot(tl.trans(ds8_t), tl.trans(key.kt)) * dq_factor[:, None]
         if TMA_REDUCE:  # one bulk reduce-add of the tile; rows past len_q add zeros
             dq_desc.atomic_add([dq_row + m_start.to(tl.int32), dq_col], dq)
         else:
@@ -217,8 +218,8 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_kernel(
-    q_ptr, q_scale_ptr, q_token_ptr, qt_ptr, qt_scale_ptr,
-    k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr,
+    q_ptr, q_scale_ptr, q_token_ptr, qt_ptr,
+    k_ptr, k_scale_ptr, kt_ptr,
     v_ptr, v_scale_ptr,
     do_ptr, do_scale_ptr, dot_ptr, dot_scale_ptr,
     lse2_ptr, delta_ptr,
@@ -232,10 +233,10 @@ def _dkdv_kernel(
     """dK, dV of one (BLOCK_N key tile, sequence, KV head), and dQ partials by atomics.
 
     Layouts as written by ``backward_passes``' producers: natural e4m3 ``[total, H, D]`` with fp32 per-token
-    scales ``[H, total]`` (and Q's token scales, ``q_token_ptr``); transposed e4m3 ``[H, D, padded]`` with
-    fp32 scales ``[Hkv, B, D]`` (Q and dO: per GQA group); lse2, delta fp32 ``[Hq, total_q]``; dq fp32
-    ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as ``[total_q, Hq * D]`` in
-    ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
+    scales ``[H, total]`` (and Q's token scales, ``q_token_ptr``); transposed e4m3 ``[H, D, padded]``, Q's
+    and K's over those token scales, dO's on fp32 scales ``[Hkv, B, D]`` (per GQA group); lse2, delta fp32
+    ``[Hq, total_q]``; dq fp32 ``[total_q, Hq, D]`` (with TMA_REDUCE, ``dq_desc`` describes it as
+    ``[total_q, Hq * D]`` in ``[BLOCK_M, D]`` blocks); dk, dv in the output dtype ``[total_k, Hkv, D]``.
     """
     n_tile, b = grid_split(batch)
     kv_head = tl.program_id(1)
@@ -248,8 +249,6 @@ def _dkdv_kernel(
     channels = tl.arange(0, HEAD_DIM)
     key = _load_kv_tile(KeySources(k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr), b, kv_head, k_start, len_k,
                         n_start, total_k, padded_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-    sequence_scales = (kv_head * batch + b) * HEAD_DIM + channels
-    dq_channel_scale = tl.load(kt_scale_ptr + sequence_scales) * softmax_scale
 
     # Query tiles before m_lo see none of these keys; from m_full on they see all of them.
     # (All bounds stay multiples of BLOCK_M so the compiler knows the loads are aligned.)
@@ -277,13 +276,12 @@ def _dkdv_kernel(
             for m_start in tl.range(m_lo if phase == 0 else m_full, m_full if phase == 0 else m_end, BLOCK_M):
                 dk_acc, dv_acc, ds_byte = _dkdv_step(
                     dk_acc, dv_acc, ds_byte, key, head, m_start, dq_desc, q_start.to(tl.int32), h * HEAD_DIM,
-                    dq_channel_scale, len_q, len_k, diagonal, padded_q, softmax_scale * LOG2E,
+                    softmax_scale, len_q, len_k, diagonal, padded_q, softmax_scale * LOG2E,
                     HEADS_Q, HEAD_DIM, BLOCK_M, CAUSAL, phase == 0, SCORE_ACC_STEP, ACCUMULATE_DQ, TMA_REDUCE,
                     INTERPRET,
                 )
-    dk_scale = tl.load(qt_scale_ptr + sequence_scales) * (scale_value(ds_byte) * softmax_scale)
-    dv_scale = tl.load(dot_scale_ptr + sequence_scales) * (1.0 / P_SCALE)
-    dk = dk_acc * dk_scale[None, :] * scale_inverse(key.k_scale)[:, None]
+    dv_scale = tl.load(dot_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels) * (1.0 / P_SCALE)
+    dk = dk_acc * (scale_inverse(key.k_scale) * (scale_value(ds_byte) * softmax_scale))[:, None]
     kv_natural = (k_start + key.n_idx)[:, None] * (HEADS_KV * HEAD_DIM) + kv_head * HEAD_DIM + channels[None, :]
     n_in = key.n_idx < len_k
     tl.store(dk_ptr + kv_natural, dk.to(dk_ptr.dtype.element_ty), mask=n_in[:, None])
@@ -318,7 +316,7 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    q_ptr, q_scale_ptr, q_token_ptr, k_ptr, k_scale_ptr, kt_ptr, kt_scale_ptr, v_ptr, v_scale_ptr,
+    q_ptr, q_scale_ptr, q_token_ptr, k_ptr, k_scale_ptr, kt_ptr, v_ptr, v_scale_ptr,
     do_ptr, do_scale_ptr, lse2_ptr, delta_ptr, dq_ptr,
     offsets_q_ptr, offsets_k_ptr,
     total_q, total_k, padded_k, batch, softmax_scale,
@@ -368,9 +366,7 @@ def _dq_kernel(
                 k_start, len_k, total_k, padded_k, diagonal, qk_log2, HEADS_KV, HEAD_DIM, BLOCK_N, CAUSAL, phase == 1,
                 SCORE_ACC_STEP, INTERPRET,
             )
-    k_channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + channels)
-    dq_scale = k_channel_scale * (scale_value(ds_byte) * softmax_scale)
-    dq = dq_acc * dq_scale[None, :] * scale_inverse(q_token)[:, None]
+    dq = dq_acc * (scale_inverse(q_token) * (scale_value(ds_byte) * softmax_scale))[:, None]
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=m_in[:, None])
 
 
@@ -408,8 +404,8 @@ def _launch_dkdv(prep: backward_passes.Prepared, dq_accum, dk, dv, *, softmax_sc
     if tma_reduce:
         dq_desc = TensorDescriptor.from_tensor(dq_accum.view(prep.total_q, -1), [block_m, prep.dim])
     _dkdv_kernel[(triton.cdiv(prep.max_len_k, block_n) * prep.batch, prep.heads_kv)](
-        q.feature, q.feature_scale, q.token_scale, q.sequence, q.sequence_scale,
-        k.feature, k.feature_scale, k.sequence, k.sequence_scale,
+        q.feature, q.feature_scale, q.token_scale, q.sequence,
+        k.feature, k.feature_scale, k.sequence,
         v.feature, v.feature_scale,
         do.feature, do.feature_scale, do.sequence, do.sequence_scale,
         prep.lse2, prep.delta, dq_accum, dq_desc, dk, dv, prep.offsets_q, prep.offsets_k,
@@ -422,7 +418,7 @@ def _launch_dq(prep: backward_passes.Prepared, dq, *, softmax_scale, block_m, bl
     """dQ by the deterministic kernel, with the given tiles."""
     q, k, v, do = prep.q, prep.k, prep.v, prep.do
     _dq_kernel[(triton.cdiv(prep.max_len_q, block_m) * prep.batch, prep.heads_q)](
-        q.feature, q.feature_scale, q.token_scale, k.feature, k.feature_scale, k.sequence, k.sequence_scale,
+        q.feature, q.feature_scale, q.token_scale, k.feature, k.feature_scale, k.sequence,
         v.feature, v.feature_scale, do.feature, do.feature_scale, prep.lse2, prep.delta, dq,
         prep.offsets_q, prep.offsets_k, prep.total_q, prep.total_k, prep.padded_k, prep.batch, softmax_scale,
         **_shape_constants(prep, block_m, block_n, **shape),

@@ -14,28 +14,36 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
   token. A shift by a power of two keeps an e4m3 value's rounding unless it falls below the smallest
   normal (2^-6), so only elements over ~2^14.8 below their group's largest lose bits. Q's token scales
   (``token_scale``) stay what its sequence copy is normalized by.
-* sequence axis (Q, dO for dK, dV; K for dQ): one scale per (sequence, channel) -- for Q and dO shared
-  by the query heads of a GQA group -- i.e. the spec's 32-token blocks rebased to the sequence's
-  largest exponent. It is constant along the whole dK / dV / dQ reduction, so the MMAs chain in their
-  accumulators and the scale is applied once in the epilogue. So that tokens of small norm keep their
-  precision, the Q and K copies are first divided by each token's head_dim scale, and that scale is
-  folded into dS instead (dS times the query's and the key's token scales is what gets quantized; dQ
-  rows and dK rows divide it back out). These copies are stored transposed, ``[heads, D,
+* sequence axis (Q, dO for dK, dV; K for dQ): these copies are stored transposed, ``[heads, D,
   padded_total]`` with sequence ``b`` at padded row ``padded_seq_start``, so that the sequence axis is
-  contiguous (K-major), as FP8 MMAs need for both operands, with the tokens of each slot in a
-  ``layout`` token order. dO's may instead hold its e4m3 values as fp16 (``do_sequence_dtype``), for
-  the Hopper kernel's fp16 dV wgmma, whose fp32 accumulation chains over the steps unbiased. Each
-  sequence owns ``ceil(L / 128)`` whole 128-token slots there; the producer writes them in full, zeros
-  past the end, so the kernels read these tiles without masks.
+  contiguous (K-major), as FP8 MMAs need for both operands, with the tokens of each slot in a ``layout``
+  token order. Each sequence owns ``ceil(L / 128)`` whole 128-token slots there; the producer writes
+  them in full, zeros past the end, so the kernels read these tiles without masks.
+
+  - dO: one scale per (sequence, channel), shared by the query heads of a GQA group, i.e. the spec's
+    32-token blocks rebased to the sequence's largest exponent. It is constant along the whole dV
+    reduction, so the MMAs chain in their accumulators and the scale is applied once in the epilogue.
+    Its copy may hold its e4m3 values as fp16 (``do_sequence_dtype``), for the Hopper kernel's fp16 dV
+    wgmma, whose fp32 accumulation chains over the steps unbiased.
+  - Q and K: each token divided by its own head_dim scale (the one its feature copy takes when tokens
+    do not share one), and no scale along the sequence: the token scales vary along the dK and dQ
+    reductions, so they are folded into dS instead (dS times the query's and the key's token scales
+    is what gets quantized; dQ rows and dK rows divide them back out). Tokens of small norm then keep
+    their precision, and every value already lies on its token's e4m3 grid, at most 448: a further
+    power-of-two scale per (sequence, channel) would change no rounding above e4m3's smallest normal,
+    2^-6, i.e. none but of elements over ~2^13.8 below their token's largest (whose absolute error
+    stays under 2^-10, against up to 16 for the token's largest elements), and it would cost a pass
+    over the tensor for its maxima. K's copy holds the same bytes as its feature copy, transposed.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
   a program has reduced so far (in the Hopper kernel with FP8 scores, also over the other consumer's
   tiles up to the previous step): the accumulator is rescaled by an exact power of two <= 1 when the
   maximum grows, never overflows, and tiles far below the maximum (whose contribution is as far below)
   are quantized on its grid.
 
-The producers (:func:`quantize_for_backward`, two passes per tensor: :func:`_sequence_amax_kernel`,
-then :func:`_quantize_kernel`) write those copies; dO's pass also forms Delta and the LSE in log2
-units, and, for the Hopper kernel, the padded per-query vectors (``ROW_VECTORS`` of them).
+The producers (:func:`quantize_for_backward`: one pass, :func:`_quantize_kernel`, after
+:func:`_sequence_amax_kernel` for dO's (sequence, channel) maxima) write those copies; dO's pass also
+forms Delta and the LSE in log2 units, and, for the Hopper kernel, the padded per-query vectors
+(``ROW_VECTORS`` of them).
 :class:`Prepared` runs them for one backward call. :func:`finish_dq` turns the Hopper kernel's fp32
 dQ sums into dQ.
 """
@@ -119,29 +127,20 @@ def _token_scale_byte(x):
 
 
 @triton.jit
-def _sequence_axis_values(x, NORMALIZE_TOKENS: tl.constexpr):
-    """What the sequence-axis copy quantizes: ``x``, or ``x`` over each token's own scale."""
-    if NORMALIZE_TOKENS:
-        x = x * scale_factor(_token_scale_byte(x))[:, None]
-    return x
-
-
-@triton.jit
 def _sequence_amax_kernel(
     x_ptr, offsets_ptr, tiles_ptr, amax_ptr, total, batch,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Absolute maxima of :func:`_sequence_axis_values` per (GROUP of consecutive heads, sequence,
-    channel) into ``amax`` (int32 bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized):
-    non-negative floats order like their bits."""
+    """Absolute maxima of ``x`` per (GROUP of consecutive heads, sequence, channel) into ``amax`` (int32
+    bits of the fp32 values, ``[H / GROUP, B, D]``, zero-initialized): non-negative floats order like
+    their bits."""
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
     if tile * TILE >= seq_len:
         return
     amax = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for chunk in range(tile * (TILE // CHUNK), (tile + 1) * (TILE // CHUNK)):
         x, _, _, _ = _load_tile(x_ptr, seq_start, seq_len, chunk, h, HEADS, HEAD_DIM, CHUNK)
-        amax = tl.maximum(amax, tl.max(tl.abs(_sequence_axis_values(x, NORMALIZE_TOKENS)), axis=0))
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
     fold_max(amax_ptr + ((h // GROUP) * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM), amax.to(tl.int32, bitcast=True))
 
 
@@ -165,11 +164,11 @@ def _quantize_kernel(
     requested outputs.
 
     FEATURE: per-token scale along head_dim (FEATURE_GROUP = CHUNK: one per chunk of tokens, their largest; a
-    chunk never crosses a sequence, and the zeros past its end raise nothing). SEQUENCE: scale per
-    (sequence, channel), shared by each GROUP of consecutive heads, from the maxima of
-    :func:`_sequence_amax_kernel`; data stored transposed (tokens in the ``layout`` ORDER inside each slot:
-    as the kernels read them); with NORMALIZE_TOKENS each token is first divided by its own head_dim scale
-    (the kernels fold that scale into dS instead). DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)``
+    chunk never crosses a sequence, and the zeros past its end raise nothing). SEQUENCE: data stored
+    transposed (tokens in the ``layout`` ORDER inside each slot: as the kernels read them), each token
+    divided by its own head_dim scale with NORMALIZE_TOKENS (the kernels fold that scale into dS), else
+    on a scale per (sequence, channel), shared by each GROUP of consecutive heads, from the maxima of
+    :func:`_sequence_amax_kernel`. DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)``
     (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key). SCALE_ROW >= 0: the
     feature scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``; with P_LSE2_ROW times Q's token
     scales, ``Q_DO_FACTOR``), the whole slot, zeros past the sequence's end. P_LSE2_ROW >= 0 (with DELTA):
@@ -181,7 +180,7 @@ def _quantize_kernel(
     if tile * TILE >= seq_len:
         return
     channels = tl.arange(0, HEAD_DIM)
-    if SEQUENCE:
+    if SEQUENCE and not NORMALIZE_TOKENS:
         scales = (h // GROUP * batch + b) * HEAD_DIM + channels
         sequence_byte = scale_byte_of_amax(tl.load(amax_ptr + scales).to(tl.float32, bitcast=True), False)
         tl.store(sequence_scale_ptr + scales, scale_value(sequence_byte))
@@ -203,11 +202,12 @@ def _quantize_kernel(
                          tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
                 q_factor = tl.load(query_scale_ptr + h * total + tokens, mask=in_seq, other=0.0)
                 tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
+        token_byte = _token_scale_byte(x)  # the feature copy's (unless a chunk shares one), the normalized copy's
         if FEATURE:
-            byte = _token_scale_byte(x)
+            byte = token_byte
             if FEATURE_GROUP > 1:
                 tl.static_assert(FEATURE_GROUP == CHUNK, "a feature scale's group is one chunk of tokens")
-                tl.store(token_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
+                tl.store(token_scale_ptr + h * total + tokens, scale_value(token_byte), mask=in_seq)
                 byte = tl.zeros_like(byte) + tl.max(byte, axis=0)
             data = fp8.to_e4m3(x * scale_factor(byte)[:, None], INTERPRET)
             if feature_ptr.dtype.element_ty == tl.bfloat16:  # the MX values: e4m3 times the token scale (exact)
@@ -220,28 +220,28 @@ def _quantize_kernel(
                     row_factor *= q_factor
                 tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, row_factor, 0.0))
         if SEQUENCE:  # the whole slot, zeros past the end
-            data = fp8.to_e4m3(_sequence_axis_values(x, NORMALIZE_TOKENS) * scale_factor(sequence_byte)[None, :],
-                               INTERPRET)
+            if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
+                data = fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
+            else:
+                data = fp8.to_e4m3(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,
                                 rows, padded, HEAD_DIM, ORDER)
 
 
 @triton.jit
 def _finish_dq_kernel(
-    dq_accum_ptr, q_scale_ptr, kt_scale_ptr, dq_ptr, offsets_ptr, tiles_ptr, total, batch, softmax_scale,
-    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+    dq_accum_ptr, q_scale_ptr, dq_ptr, offsets_ptr, tiles_ptr, total, softmax_scale,
+    HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
 ):
-    """dQ of one (TILE-token tile of a sequence, query head) from ``sm90.backward``'s sums
-    (kept in units of K^T's (sequence, channel) scales over the query's token scale): times the
-    channel scales and the softmax scale, over the token scale, cast to dq's dtype."""
+    """dQ of one (TILE-token tile of a sequence, query head) from ``sm90.backward``'s sums (kept in units
+    of the query's token scale, K^T's copy being token-normalized): times the softmax scale, over the
+    token scale, cast to dq's dtype."""
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS_Q)
     if tile * TILE >= seq_len:
         return
     sums, natural, rows, in_seq = _load_tile(dq_accum_ptr, seq_start, seq_len, tile, h, HEADS_Q, HEAD_DIM, TILE)
-    kv_head = h // (HEADS_Q // HEADS_KV)
-    channel_scale = tl.load(kt_scale_ptr + (kv_head * batch + b) * HEAD_DIM + tl.arange(0, HEAD_DIM)) * softmax_scale
     token_scale = tl.load(q_scale_ptr + h * total + seq_start + rows, mask=in_seq, other=0.0)
-    dq = sums * channel_scale[None, :] * scale_inverse(token_scale)[:, None]
+    dq = sums * (softmax_scale * scale_inverse(token_scale))[:, None]
     tl.store(dq_ptr + natural, dq.to(dq_ptr.dtype.element_ty), mask=in_seq[:, None])
 
 
@@ -277,8 +277,9 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
                           sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None, query_scale=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
-    ``sequence`` scales are shared by each ``group`` of consecutive heads (and taken after
-    dividing each token by its head_dim scale with ``normalize_tokens``); ``order`` (``layout``'s
+    ``sequence``: the transposed copy, on scales per (sequence, channel) shared by each ``group`` of
+    consecutive heads, or with ``normalize_tokens`` each token over its own head_dim scale and no
+    ``sequence_scale`` (None); ``order`` (``layout``'s
     ``PV_ORDER``, ``DS_ORDER``) stores the transposed tokens in that order inside each slot;
     ``feature_dtype`` bf16 stores the feature copy's MX values, e4m3 times the token scale, as bf16
     (exact: bf16 holds every such value, and a bf16 MMA on them accumulates in plain fp32; the
@@ -310,16 +311,19 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         result.feature = torch.empty(x.shape, dtype=feature_dtype, device=x.device)
         result.feature_scale = torch.empty(heads, total, **f32)
         result.token_scale = result.feature_scale if feature_group == 1 else torch.empty(heads, total, **f32)
+    channel_scales = sequence and not normalize_tokens
     if sequence:
         result.sequence = torch.empty(heads, dim, padded, dtype=sequence_dtype, device=x.device)
+    if channel_scales:
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
     if total == 0:
         return result, delta, lse2
     tiles = slot_tiles(offsets, total) if tiles is None else tiles
     grid = (tiles.shape[0] * heads,)
-    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE, NORMALIZE_TOKENS=normalize_tokens)
-    amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device) if sequence else None
-    if sequence:
+    shape = dict(HEADS=heads, HEAD_DIM=dim, TILE=PRODUCER_TILE)
+    amax = None
+    if channel_scales:
+        amax = torch.zeros(heads // group, batch, dim, dtype=torch.int32, device=x.device)
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, total, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
                                     num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
@@ -338,11 +342,11 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
         result.token_scale if feature else unused, unused if query_scale is None else query_scale,
-        amax if sequence else unused, result.sequence if sequence else unused,
-        result.sequence_scale if sequence else unused,
+        amax if channel_scales else unused, result.sequence if sequence else unused,
+        result.sequence_scale if channel_scales else unused,
         out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
         delta if with_delta else unused, lse2 if with_delta else unused, unused if rows is None else rows,
-        total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
+        total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK, NORMALIZE_TOKENS=normalize_tokens,
         FEATURE=feature, FEATURE_GROUP=feature_group, SEQUENCE=sequence, DELTA=with_delta,
         DLSE=with_delta and dlse is not None, ORDER=order,
         SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_DELTA_ROW=q_delta_row,
@@ -414,6 +418,5 @@ class Prepared:
 def finish_dq(dq_accum, prep, dq, softmax_scale: float) -> None:
     """dQ into ``dq`` from ``sm90.backward``'s sums ``dq_accum`` of the call ``prep`` prepared."""
     _finish_dq_kernel[(prep.tiles_q.shape[0] * prep.heads_q,)](
-        dq_accum, prep.q.token_scale, prep.k.sequence_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q,
-        prep.batch, softmax_scale, HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, HEAD_DIM=prep.dim,
-        TILE=PRODUCER_TILE, num_warps=FINISH_DQ_WARPS)
+        dq_accum, prep.q.token_scale, dq, prep.offsets_q, prep.tiles_q, prep.total_q, softmax_scale,
+        HEADS_Q=prep.heads_q, HEAD_DIM=prep.dim, TILE=PRODUCER_TILE, num_warps=FINISH_DQ_WARPS)

@@ -38,9 +38,9 @@ token scales left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
 outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md).
 Operands, scales and their folding are those of ``producers.backward_passes`` (its docstring
-and producers): per-token scales on the feature axis (applied to S^T and dP^T), per-(sequence, channel)
-scales on the sequence axis (applied in the epilogues), Q and K's sequence copies divided by each
-token's scale with that scale folded into dS, P on the static 2^8 scale and dS on a running
+and producers): per-token scales on the feature axis (applied to S^T and dP^T), dO^T's per-(sequence,
+channel) scales (applied in dV's epilogue), Q^T and K^T holding each token over its own scale, which is
+folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows). With FP8 scores each
 consumer's running scale also takes the other's of the item's previous step (waited for:
 ``_other_byte``), so both agree on every step but those where one grows and the default warpgroup
@@ -215,19 +215,17 @@ class KeyOperands:
 @aggregate
 class KeyGradients:
     """What the consumers fold in and write: K's and V's per-token scales (``k_scale``, ``v_scale``:
-    fp32 ``[Hkv, total_k]``), Q^T's and dO^T's per-(sequence, channel) scales (``qt_scale``,
-    ``dot_scale``: fp32 ``[Hkv, B, D]``, dK's and dV's column factors), and the outputs ``dk``, ``dv``
-    (``[total_k, Hkv, D]``)."""
+    fp32 ``[Hkv, total_k]``), dO^T's per-(sequence, channel) scales (``dot_scale``: fp32 ``[Hkv, B, D]``,
+    dV's column factors), and the outputs ``dk``, ``dv`` (``[total_k, Hkv, D]``)."""
     k_scale: gl.tensor
     v_scale: gl.tensor
-    qt_scale: gl.tensor
     dot_scale: gl.tensor
     dk: gl.tensor
     dv: gl.tensor
 
     @constexpr_function
-    def __init__(self, k_scale, v_scale, qt_scale, dot_scale, dk, dv):
-        self.k_scale, self.v_scale, self.qt_scale, self.dot_scale = k_scale, v_scale, qt_scale, dot_scale
+    def __init__(self, k_scale, v_scale, dot_scale, dk, dv):
+        self.k_scale, self.v_scale, self.dot_scale = k_scale, v_scale, dot_scale
         self.dk, self.dv = dk, dv
 
 
@@ -802,7 +800,7 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
     p16 = gl.convert_layout(p.to(gl.float8e4nv).to(gl.float16), dv_a_layout, assert_trivial=True)
     dot_view = stages.dot.index(stage).permute((1, 0))
     dv_acc = warpgroup_mma(p16, dot_view, dv_acc, is_async=True)
-    if ACCUMULATE_DQ:  # in units of K^T's channel scales over the query's token scale (backward_passes.finish_dq)
+    if ACCUMULATE_DQ:  # in units of the query's token scale (backward_passes.finish_dq)
         _share_ds(ds8, ds_byte, exchange, i, CONSUMER)
     dv_acc, _, _ = warpgroup_mma_wait(0, deps=(dv_acc, p16, dot_view))
     # dK from a fresh FP8 accumulator, added in fp32 (chained, heavy-tailed inputs' dK missed the 2e-2 bar).
@@ -817,8 +815,8 @@ def _key_step(i, item_first, m0, dk_acc, dv_acc, ds_byte, key_rows, stages, exch
 @gluon.jit
 def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batch, softmax_scale,
                          CONSUMER: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr):
-    """dK and dV of the consumer's 64 keys of ``tile`` from its accumulators: the sequence-axis
-    column scales, dK's running dS scale and its keys' token scales applied, stored in the gradients'
+    """dK and dV of the consumer's 64 keys of ``tile`` from its accumulators: dV's sequence-axis column
+    scales, dK's running dS scale and its keys' token scales applied, stored in the gradients'
     dtype through the consumer's K and V buffers (``layout.gluon_store_rows_through``: whole rows per
     warp, saving each tile's stores a few microseconds, which short tiles and causal batches' many
     short programs feel most)."""
@@ -833,12 +831,10 @@ def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batc
     first_key_scale = kv_head.to(gl.int64) * total_k + k_start + key0
     channels = gl.arange(0, D, layout=o_cols)
     key_rows = key0 + gl.arange(0, KEYS, layout=o_rows)
-    sequence_scales = (kv_head * batch + seq) * D + channels
-    dk_scale = gl.load(grads.qt_scale + sequence_scales) * (layout.scale_value(ds_byte) * softmax_scale)
-    dv_scale = gl.load(grads.dot_scale + sequence_scales) * (1.0 / layout.P_SCALE)
+    dv_scale = gl.load(grads.dot_scale + (kv_head * batch + seq) * D + channels) * (1.0 / layout.P_SCALE)
     k_row_factor = gl.load(grads.k_scale + first_key_scale + gl.arange(0, KEYS, layout=o_rows),
                            mask=key_rows < len_k, other=0.0)
-    dk_rows = dk_acc * dk_scale[None, :] * layout.scale_inverse(k_row_factor)[:, None]
+    dk_rows = dk_acc * (layout.scale_inverse(k_row_factor) * (layout.scale_value(ds_byte) * softmax_scale))[:, None]
     dk_out = dk_rows.to(grads.dk.dtype.element_ty)
     dv_rows = gl.convert_layout(dv_acc, o_layout, assert_trivial=True) * dv_scale[None, :]
     dv_out = dv_rows.to(grads.dv.dtype.element_ty)
@@ -852,7 +848,7 @@ def _store_key_gradients(dk_acc, dv_acc, ds_byte, kv, grads, tile, total_k, batc
 @gluon.jit(do_not_specialize=("slots", "total_q", "total_k"))
 def _attention_backward_kernel(
     q_desc, qt_desc, k_desc, kt_desc, v_desc, do_desc, dot_desc, rows_desc, dq_desc,
-    qt_scale, k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, slots, total_q, total_k, padded_q,
+    k_scale, v_scale, dot_scale, dk, dv, offsets_q, offsets_k, work, slots, total_q, total_k, padded_q,
     batch, softmax_scale,
     HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, IN_TURN: gl.constexpr,
@@ -904,7 +900,7 @@ def _attention_backward_kernel(
     stages = QueryStages(q_smem, qt_smem, do_smem, dot_smem, row_smem, q_ready, do_ready, empty)
     exchange = DsExchange(ds_smem, byte_smem, ds_ready, ds_free)
     kv = KeyOperands(k_desc, kt_desc, v_desc, k_smem, kt_smem, v_smem, kv_ready, kt_ready)
-    grads = KeyGradients(k_scale, v_scale, qt_scale, dot_scale, dk, dv)
+    grads = KeyGradients(k_scale, v_scale, dot_scale, dk, dv)
     items = WorkItems(work, slots, offsets_q, offsets_k, total_q, total_k)
     gl.warp_specialize(
         [
@@ -992,7 +988,7 @@ def launch(prep: Prepared, dq_accum: torch.Tensor, dk: torch.Tensor, dv: torch.T
         return
     programs = program_count(items, prep, causal, dk.device)
     _attention_backward_kernel[(programs,)](
-        *_descriptors(prep, dq_accum), prep.q.sequence_scale, prep.k.feature_scale, prep.v.feature_scale,
+        *_descriptors(prep, dq_accum), prep.k.feature_scale, prep.v.feature_scale,
         prep.do.sequence_scale, dk, dv, prep.offsets_q, prep.offsets_k, work, work.shape[0], prep.total_q,
         prep.total_k, prep.padded_q, prep.batch, softmax_scale,
         HEADS_Q=prep.heads_q, HEADS_KV=prep.heads_kv, D=prep.dim, CAUSAL=causal, ACCUMULATE_DQ=accumulate_dq,
