@@ -1,0 +1,109 @@
+"""The backward's accuracy policy over many fresh draws: how often, and by how much, each gradient of the
+Hopper backward misses the bars of the GPU accuracy test on its input families.
+
+    python3 scripts/bwd_policy_sweep.py [--scores fp8|bf16] [--kinds outlier heavy] [--draws 40] [--first 0]
+        [--json OUT.json]
+
+The GPU test (``tests/test_hopper_bwd.py``, the FP8-score policy) checks one fresh draw per (kind, causal):
+each gradient's rel-L2 against fp64 gradients of the unquantized inputs at most ``POLICY_GRADIENT_RATIO``
+times the reference backend's, its cosine at most ``COSINE_SLACK`` below the reference's
+(``OUTLIER_COSINE_GAP`` on outlier channels). One draw says little where a family sits near a bar; this
+runs ``--draws`` seeds (seed ``first + i`` gives draw ``i``, the same inputs for either ``--scores``) on the
+test's ragged GQA batch and prints, per draw, each gradient's ratio and cosine gap, then per (kind, causal,
+gradient) the largest of each and how many draws miss each bar. On CPU it runs the portable kernel in the
+Triton interpreter (slow: for small ``--lengths-q`` / ``--lengths-k`` only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_hopper_bwd import (COSINE_SLACK, OUTLIER_COSINE_GAP, POLICY_GRADIENT_RATIO,  # noqa: E402  (the GPU test's)
+                             cosine, exact_gradients, forward_of, make_inputs, rel_l2, run_backward)
+
+from jagged_attn.reference import reference_backward  # noqa: E402
+
+GRADIENTS = ("dq", "dk", "dv")
+TEST_BATCH = ([1000, 0, 517, 2048, 129, 33], [1100, 64, 517, 1500, 1, 33])  # the GPU policy test's lengths
+
+
+def cosine_bar(kind: str) -> float:
+    """How far below the reference's cosine a gradient's may sit on inputs of ``kind``."""
+    return OUTLIER_COSINE_GAP if kind == "outlier" else COSINE_SLACK
+
+
+def draw(seed, kind, causal, scores, lengths_q, lengths_k, device):
+    """One draw: per gradient, (rel-L2 against fp64 over the reference backend's, reference's cosine against
+    fp64 minus ours)."""
+    torch.manual_seed(seed)
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, 8, 2, 128, device=device,
+                                                      dtype=torch.bfloat16, kind=kind)
+    scale = 128**-0.5
+    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+    reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
+    exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
+    options = dict(scores=scores) if device == "cuda" else {}
+    got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, **options)
+    return {name: (rel_l2(g, e) / rel_l2(r, e), cosine(r, e) - cosine(g, e))
+            for name, g, r, e in zip(GRADIENTS, got, reference, exact)}
+
+
+def summarize(rows):
+    """Per (kind, causal, gradient) over ``rows`` (dicts with kind, causal and per gradient (ratio, gap)):
+    draws, the largest ratio and gap, and how many draws miss the ratio bar and the cosine bar."""
+    summary = {}
+    for row in rows:
+        for name in GRADIENTS:
+            ratio, gap = row[name]
+            entry = summary.setdefault((row["kind"], row["causal"], name),
+                                       dict(draws=0, max_ratio=-1.0, max_gap=-1.0, ratio_misses=0, cosine_misses=0))
+            entry["draws"] += 1
+            entry["max_ratio"], entry["max_gap"] = max(entry["max_ratio"], ratio), max(entry["max_gap"], gap)
+            entry["ratio_misses"] += ratio > POLICY_GRADIENT_RATIO
+            entry["cosine_misses"] += gap > cosine_bar(row["kind"])
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scores", default="fp8", choices=["fp8", "bf16"], help="the Hopper backward's S and dP")
+    parser.add_argument("--kinds", nargs="+", default=["outlier", "heavy"])
+    parser.add_argument("--draws", type=int, default=40)
+    parser.add_argument("--first", type=int, default=0, help="the first draw's seed")
+    parser.add_argument("--lengths-q", type=int, nargs="+", default=TEST_BATCH[0])
+    parser.add_argument("--lengths-k", type=int, nargs="+", default=TEST_BATCH[1])
+    parser.add_argument("--json", help="write every draw and the summary here")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for seed in range(args.first, args.first + args.draws):
+        for kind in args.kinds:
+            for causal in (False, True):
+                row = dict(seed=seed, kind=kind, causal=causal,
+                           **draw(seed, kind, causal, args.scores, args.lengths_q, args.lengths_k, device))
+                rows.append(row)
+                print(f"seed {seed} {kind:8s} causal={causal:d} | "
+                      + " | ".join(f"{n} {row[n][0]:.4f} {row[n][1]:+.5f}" for n in GRADIENTS), flush=True)
+    summary = summarize(rows)
+    backward = f"Hopper backward, {args.scores} S and dP" if device == "cuda" else "portable backward (CPU)"
+    print(f"\n{backward}: ratio bar {POLICY_GRADIENT_RATIO}, cosine bar {COSINE_SLACK} "
+          f"({OUTLIER_COSINE_GAP} outlier)")
+    print("kind     causal grad  draws  max ratio  ratio misses  max cosine gap  cosine misses")
+    for (kind, causal, name), s in summary.items():
+        print(f"{kind:8s} {causal:6d} {name:4s} {s['draws']:6d} {s['max_ratio']:10.4f} {s['ratio_misses']:13d} "
+              f"{s['max_gap']:+15.5f} {s['cosine_misses']:14d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(scores=args.scores, device=device, rows=rows,
+                           summary=[dict(kind=k, causal=c, gradient=n, **s) for (k, c, n), s in summary.items()]),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

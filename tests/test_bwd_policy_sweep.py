@@ -1,0 +1,46 @@
+"""scripts/bwd_policy_sweep.py: the GPU accuracy policy's bars counted over many draws."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import bwd_policy_sweep as sweep  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bwd_policy_sweep.py")
+
+
+def test_summary_counts_misses_past_each_kinds_bars():
+    """A ratio at the bar passes and one just past it misses; a cosine gap that outlier channels may have
+    misses on any other kind."""
+    bar, slack, outlier_gap = sweep.POLICY_GRADIENT_RATIO, sweep.COSINE_SLACK, sweep.OUTLIER_COSINE_GAP
+    rows = [dict(kind=kind, causal=False, dq=(bar, 0.0), dk=(1.0, gap), dv=(bar + 1e-4, -1.0))
+            for kind, gap in (("outlier", (slack + outlier_gap) / 2), ("heavy", (slack + outlier_gap) / 2),
+                              ("heavy", slack))]
+    summary = sweep.summarize(rows)
+    assert summary[("outlier", False, "dk")]["cosine_misses"] == 0
+    assert summary[("heavy", False, "dk")] == dict(draws=2, max_ratio=1.0, max_gap=(slack + outlier_gap) / 2,
+                                                   ratio_misses=0, cosine_misses=1)
+    assert summary[("heavy", False, "dq")]["ratio_misses"] == 0
+    assert summary[("heavy", False, "dv")]["ratio_misses"] == 2
+    assert summary[("outlier", False, "dv")]["ratio_misses"] == 1
+
+
+def test_sweep_runs_the_portable_backward_on_cpu(tmp_path):
+    """One draw of Gaussian inputs on a tiny ragged batch through the script: every gradient of the portable
+    kernel within the bars, each (causal, gradient) counted once."""
+    out = tmp_path / "sweep.json"
+    run = subprocess.run([sys.executable, SCRIPT, "--draws", "1", "--first", "3", "--kinds", "gaussian",
+                          "--lengths-q", "33", "0", "1", "--lengths-k", "40", "7", "5", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and len(result["rows"]) == 2
+    assert {(s["causal"], s["gradient"]) for s in result["summary"]} == {(c, n) for c in (False, True)
+                                                                         for n in sweep.GRADIENTS}
+    for s in result["summary"]:
+        assert s["draws"] == 1 and s["ratio_misses"] == 0 and s["cosine_misses"] == 0, s
+        assert 0.9 < s["max_ratio"] < sweep.POLICY_GRADIENT_RATIO, s
