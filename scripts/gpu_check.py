@@ -1,6 +1,7 @@
-"""One-call GPU check: install, every GPU test, the demo on CUDA, then the benchmark.
+"""One-call GPU check: install, every GPU test, the demo on CUDA, the backward's accuracy policy over many
+draws (``bwd_policy_sweep.py``), then the benchmark.
 
-    python3 scripts/gpu_check.py [--out DIR] [--bench-args ...]
+    python3 scripts/gpu_check.py [--out DIR] [--policy-draws N] [--bench-args ...]
 
 Logs go under ``--out`` (default ``$OUT`` on the device machine); the accuracy lines and the
 benchmark table are printed last, so the tail of the output is the summary.
@@ -37,6 +38,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     parser.add_argument("--tests", nargs="*", default=["tests"])
+    parser.add_argument("--policy-draws", type=int, default=20,
+                        help="draws of scripts/bwd_policy_sweep.py (the backward's accuracy bars counted; 0: none)")
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -49,11 +52,16 @@ def main():
                       os.path.join(args.out, "pytest_gpu.log"))
     demo_code, demo = run([python, "-m", "jagged_attn.cli", "demo", "--device", "cuda"],
                           os.path.join(args.out, "demo.log"))
+    policy = ""
+    if args.policy_draws:
+        _, policy = run([python, "scripts/bwd_policy_sweep.py", "--draws", str(args.policy_draws),
+                         "--json", os.path.join(args.out, "bwd_policy.json")], os.path.join(args.out, "bwd_policy.log"))
     bench_code, bench = run([python, "scripts/bench.py", "--out", os.path.join(args.out, "bench"), *args.bench_args],
                             os.path.join(args.out, "bench.log"))
     accuracy = [line for line in tests.splitlines() if "rel-L2" in line or "passed" in line or "FAILED" in line]
     print("\n".join(accuracy[-60:]))
     print(demo)
+    print(policy[policy.find("\nHopper backward"):] if "\nHopper backward" in policy else policy[-3000:])
     print(bench[bench.rfind("\n", 0, bench.find("ceilings:")) + 1:] if "ceilings:" in bench else bench[-6000:])
     sys.exit(code or demo_code or bench_code)
 

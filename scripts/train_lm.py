@@ -358,7 +358,8 @@ def summary(results: list[dict]) -> str:
     from BF16 in every seed where both ran, their mean and its standard error (the per-seed differences'
     sample standard deviation over the square root of their count). A seed fixes the initial weights and
     the data order, so this difference is the one that holds for other draws of both, not only for the
-    run-to-run spread of one."""
+    run-to-run spread of one. Where both BF16 peers ran, the same for FA4 less ``varlen_attn``: two BF16
+    attentions, whose difference is how far numerics alone move this check."""
     defaults = vars(parse_args([]))
     # (QK-norm or not, the other options off their defaults) -> seed -> attention -> validation losses
     groups: dict[tuple[str, str], dict[int, dict[str, list[float]]]] = {}
@@ -378,8 +379,9 @@ def summary(results: list[dict]) -> str:
             name = run["attn"] if run["attn"] in BF16_PEERS or not code else f"{run['attn']} src:{code}"
             by_attn.setdefault(name, []).append(run["validation_loss"])
     lines = []
+    control = f"{BF16_PEERS[1]} - {BF16_PEERS[0]} (BF16 against BF16)"
     for label, by_seed in groups.items():
-        differences: dict[str, dict[int, float]] = {}  # ours -> seed -> its mean less BF16's
+        differences: dict[str, dict[int, float]] = {}  # ours -> seed -> its mean less BF16's; control likewise
         for seed, by_attn in by_seed.items():
             lines += ["", f"== {label[0]}, seed {seed}{label[1]}", *sorted(data.get(label, ())),
                       f"{'attention':24s} {'runs':>4s} {'mean':>8s} {'sd':>8s}  validation losses"]
@@ -400,6 +402,10 @@ def summary(results: list[dict]) -> str:
                     spread = statistics.variance(values) / len(values) + statistics.variance(pooled) / len(pooled)
                     error = f"{math.sqrt(spread):.4f}"
                 lines.append(f"{name} - BF16: {difference:+.4f} (standard error {error})")
+            if all(name in by_attn for name in BF16_PEERS):
+                difference = statistics.fmean(by_attn[BF16_PEERS[1]]) - statistics.fmean(by_attn[BF16_PEERS[0]])
+                differences.setdefault(control, {})[seed] = difference
+                lines.append(f"{control}: {difference:+.4f}")
         paired = {name: by for name, by in differences.items() if len(by) > 1}
         if paired:
             lines += ["", f"== {label[0]}{label[1]}, seeds paired"]
@@ -407,7 +413,8 @@ def summary(results: list[dict]) -> str:
             seeds = sorted(by)
             values = [by[seed] for seed in seeds]
             error = statistics.stdev(values) / math.sqrt(len(values))
-            lines.append(f"{name} - BF16 over {len(values)} seeds: {statistics.fmean(values):+.4f} (standard error "
+            title = name if name == control else f"{name} - BF16"
+            lines.append(f"{title} over {len(values)} seeds: {statistics.fmean(values):+.4f} (standard error "
                          f"{error:.4f}; per seed " + ", ".join(f"{s}: {by[s]:+.4f}" for s in seeds) + ")")
     return "\n".join(lines)
 

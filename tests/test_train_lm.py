@@ -131,6 +131,31 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
     assert trained_on == "1.4 passes over 22.9 MB of training text, validation on 1.25 MB"
 
 
+def test_summarize_pairs_the_two_bf16_peers_where_both_ran(tmp_path, capsys):
+    """Where FA4 and ``varlen_attn`` both ran a seed, their difference is the check's BF16-against-BF16
+    control, printed per seed and paired over the seeds; ours is still compared with both pooled."""
+    args = vars(train_lm.parse_args([]))
+    losses = {0: dict(hopper=1.00, varlen=1.04, fa4=1.01), 1: dict(hopper=2.00, varlen=2.00, fa4=2.05),
+              2: dict(hopper=3.00, varlen=3.10)}
+    files = []
+    for seed, runs in losses.items():
+        content = dict(title="t", args=dict(args, seed=seed), version="v1 src:aaaa",
+                       runs=[dict(attn=a, validation_loss=x) for a, x in runs.items()])
+        files.append(tmp_path / f"{seed}.json")
+        files[-1].write_text(json.dumps(content))
+    train_lm.main(["--summarize", *map(str, files)])
+    groups = {block.splitlines()[0]: block for block in capsys.readouterr().out.split("\n== ")[1:]}
+    assert "fa4 - varlen (BF16 against BF16): -0.0300" in groups["no QK-norm, seed 0"]
+    assert "BF16 against BF16" not in groups["no QK-norm, seed 2"]  # FA4 did not run there
+    paired = groups["no QK-norm, seeds paired"].splitlines()[1:]
+    error = statistics.stdev([-0.03, 0.05]) / math.sqrt(2)
+    assert f"fa4 - varlen (BF16 against BF16) over 2 seeds: +0.0100 (standard error {error:.4f}; " \
+           "per seed 0: -0.0300, 1: +0.0500)" in paired
+    ours = statistics.stdev([1.00 - 1.025, 2.00 - 2.025, -0.10]) / math.sqrt(3)
+    assert f"hopper src:aaaa - BF16 over 3 seeds: -0.0500 (standard error {ours:.4f}; " \
+           "per seed 0: -0.0250, 1: -0.0250, 2: -0.1000)" in paired
+
+
 def test_hybrid_attention_takes_its_output_from_one_attention_and_the_named_gradients_from_the_other():
     def plain(q, k, v, offsets, max_len):
         return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
