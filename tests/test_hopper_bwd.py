@@ -771,7 +771,10 @@ POLICY_GRADIENT_RATIO = 1.10
 # Outlier channels: every MXFP8 backend's dQ is far from fp64 there (error ~1.5-1.6x dQ's norm, cosine
 # 0.16-0.19) and FP8 S and dP put its cosine 3.2e-3 to 4.6e-3 below the reference backend's (H200,
 # 2026-12-02; the error within 1.6%); dV's, through P from FP8 S, 1.02e-2 below in one causal draw (0.9186
-# vs 0.9287, its error 1.07x). The policy's 1e-3 holds for every other kind and gradient.
+# vs 0.9287, its error 1.07x). Not every draw meets the bars (H100, 2026-12-05, 40 draws of each kind, causal
+# and not): outlier dV's error passes 1.10x on 1 draw in 20 (up to 1.114x) and heavy-tailed dK's cosine
+# falls more than 1e-3 below on 1 in 9 (up to 3.4e-3), so this test fails on about one run in three; such a
+# failure is a real miss of the policy, not noise. scripts/bwd_policy_sweep.py counts the misses.
 OUTLIER_COSINE_GAP = 2e-2
 
 
