@@ -111,8 +111,8 @@ def jagged_attention(
         softmax_scale: defaults to ``1/sqrt(D)``.
         backend: ``"auto"`` (hopper on Hopper, block-scaled on Blackwell, reference elsewhere),
             ``"reference"``, ``"hopper"`` (Hopper, every GEMM in FP8 wgmma),
-            ``"hopper-exact-scores"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.9x
-            the speed, closer to the reference backend but not to exact attention) or
+            ``"hopper-exact-scores"`` (Hopper, S and the backward's dP exact from bf16 wgmma: ~0.85x
+            the training step's speed, the reference backend's accuracy on every input) or
             ``"block-scaled"`` (spec-exact ``tl.dot_scaled``). The old names ``"triton"``,
             ``"triton-fast"``, ``"exact"`` still work, with a DeprecationWarning.
         return_lse: also return the float32 natural-log LSE ``[total_q, Hq]``, differentiable like
