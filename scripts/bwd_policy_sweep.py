@@ -1,8 +1,8 @@
 """The backward's accuracy policy over many fresh draws: how often, and by how much, each gradient of the
 Hopper backward misses the bars of the GPU accuracy test on its input families.
 
-    python3 scripts/bwd_policy_sweep.py [--scores fp8|bf16] [--kinds outlier heavy] [--draws 40] [--first 0]
-        [--json OUT.json]
+    python3 scripts/bwd_policy_sweep.py [--scores fp8|bf16] [--through backward|public] [--kinds outlier heavy]
+        [--draws 40] [--first 0] [--json OUT.json]
 
 The GPU test (``tests/test_hopper_bwd.py``, the FP8-score policy) checks one fresh draw per (kind, causal):
 each gradient's rel-L2 against fp64 gradients of the unquantized inputs at most ``POLICY_GRADIENT_RATIO``
@@ -12,6 +12,11 @@ runs ``--draws`` seeds (seed ``first + i`` gives draw ``i``, the same inputs for
 test's ragged GQA batch and prints, per draw, each gradient's ratio and cosine gap, then per (kind, causal,
 gradient) the largest of each and how many draws miss each bar. On CPU it runs the portable kernel in the
 Triton interpreter (slow: for small ``--lengths-q`` / ``--lengths-k`` only).
+
+``--through backward`` (the test's setup) runs the backward kernel alone after the reference forward, so its
+errors are the backward's; ``--through public`` takes both gradients through ``jagged_attention`` and
+autograd (ours: ``hopper`` or ``hopper-exact-scores`` by ``--scores``, ``portable`` on CPU; against backend
+``reference``), forward included, as a training step has them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import os
 import sys
 
 import torch
+
+import jagged_attn as ja
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_hopper_bwd import (COSINE_SLACK, OUTLIER_COSINE_GAP, POLICY_GRADIENT_RATIO,  # noqa: E402  (the GPU test's)
@@ -38,18 +45,31 @@ def cosine_bar(kind: str) -> float:
     return OUTLIER_COSINE_GAP if kind == "outlier" else COSINE_SLACK
 
 
-def draw(seed, kind, causal, scores, lengths_q, lengths_k, device):
+def public_gradients(backend, q, k, v, dout, offsets_q, offsets_k, causal, scale):
+    """dQ, dK, dV of ``jagged_attention(backend=backend)`` through autograd, forward included."""
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ja.jagged_attention(*inputs, offsets_q, offsets_k, causal=causal, softmax_scale=scale, backend=backend)
+    return torch.autograd.grad(out, inputs, dout)
+
+
+def draw(seed, kind, causal, scores, through, lengths_q, lengths_k, device):
     """One draw: per gradient, (rel-L2 against fp64 over the reference backend's, reference's cosine against
     fp64 minus ours)."""
     torch.manual_seed(seed)
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, 8, 2, 128, device=device,
                                                       dtype=torch.bfloat16, kind=kind)
     scale = 128**-0.5
-    out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
-    reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
     exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
-    options = dict(scores=scores) if device == "cuda" else {}
-    got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, **options)
+    if through == "public":
+        ours = {"fp8": "hopper", "bf16": "hopper-exact-scores"}[scores] if device == "cuda" else "portable"
+        reference = public_gradients("reference", q, k, v, dout, offsets_q, offsets_k, causal, scale)
+        got = public_gradients(ours, q, k, v, dout, offsets_q, offsets_k, causal, scale)
+    else:
+        out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
+        reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
+                                       softmax_scale=scale)
+        options = dict(scores=scores) if device == "cuda" else {}
+        got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, **options)
     return {name: (rel_l2(g, e) / rel_l2(r, e), cosine(r, e) - cosine(g, e))
             for name, g, r, e in zip(GRADIENTS, got, reference, exact)}
 
@@ -73,6 +93,8 @@ def summarize(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scores", default="fp8", choices=["fp8", "bf16"], help="the Hopper backward's S and dP")
+    parser.add_argument("--through", default="backward", choices=["backward", "public"],
+                        help="the backward kernel after the reference forward, or the public call with autograd")
     parser.add_argument("--kinds", nargs="+", default=["outlier", "heavy"])
     parser.add_argument("--draws", type=int, default=40)
     parser.add_argument("--first", type=int, default=0, help="the first draw's seed")
@@ -86,13 +108,15 @@ def main():
         for kind in args.kinds:
             for causal in (False, True):
                 row = dict(seed=seed, kind=kind, causal=causal,
-                           **draw(seed, kind, causal, args.scores, args.lengths_q, args.lengths_k, device))
+                           **draw(seed, kind, causal, args.scores, args.through, args.lengths_q, args.lengths_k,
+                                  device))
                 rows.append(row)
                 print(f"seed {seed} {kind:8s} causal={causal:d} | "
                       + " | ".join(f"{n} {row[n][0]:.4f} {row[n][1]:+.5f}" for n in GRADIENTS), flush=True)
     summary = summarize(rows)
-    backward = f"Hopper backward, {args.scores} S and dP" if device == "cuda" else "portable backward (CPU)"
-    print(f"\n{backward}: ratio bar {POLICY_GRADIENT_RATIO}, cosine bar {COSINE_SLACK} "
+    ours = f"hopper, {args.scores} S and dP" if device == "cuda" else "portable (CPU)"
+    ours += ", public call (forward and backward)" if args.through == "public" else ", backward alone"
+    print(f"\n== bwd_policy_sweep: {ours}: ratio bar {POLICY_GRADIENT_RATIO}, cosine bar {COSINE_SLACK} "
           f"({OUTLIER_COSINE_GAP} outlier)")
     print("kind     causal grad  draws  max ratio  ratio misses  max cosine gap  cosine misses")
     for (kind, causal, name), s in summary.items():
@@ -100,7 +124,7 @@ def main():
               f"{s['max_gap']:+15.5f} {s['cosine_misses']:14d}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(scores=args.scores, device=device, rows=rows,
+            json.dump(dict(scores=args.scores, through=args.through, device=device, rows=rows,
                            summary=[dict(kind=k, causal=c, gradient=n, **s) for (k, c, n), s in summary.items()]),
                       f, indent=1)
 

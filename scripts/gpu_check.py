@@ -1,5 +1,5 @@
 """One-call GPU check: install, every GPU test, the demo on CUDA, the backward's accuracy policy over many
-draws (``bwd_policy_sweep.py``), then the benchmark.
+draws (``bwd_policy_sweep.py``, the backward alone and the public call), then the benchmark.
 
     python3 scripts/gpu_check.py [--out DIR] [--policy-draws N] [--bench-args ...]
 
@@ -52,16 +52,18 @@ def main():
                       os.path.join(args.out, "pytest_gpu.log"))
     demo_code, demo = run([python, "-m", "jagged_attn.cli", "demo", "--device", "cuda"],
                           os.path.join(args.out, "demo.log"))
-    policy = ""
-    if args.policy_draws:
-        _, policy = run([python, "scripts/bwd_policy_sweep.py", "--draws", str(args.policy_draws),
-                         "--json", os.path.join(args.out, "bwd_policy.json")], os.path.join(args.out, "bwd_policy.log"))
+    policy = []
+    for through in ("backward", "public") if args.policy_draws else ():
+        _, sweep = run([python, "scripts/bwd_policy_sweep.py", "--draws", str(args.policy_draws), "--through", through,
+                        "--json", os.path.join(args.out, f"bwd_policy_{through}.json")],
+                       os.path.join(args.out, f"bwd_policy_{through}.log"))
+        policy.append(sweep[sweep.rfind("\n== ") + 1:] if "\n== " in sweep else sweep[-3000:])  # its summary
     bench_code, bench = run([python, "scripts/bench.py", "--out", os.path.join(args.out, "bench"), *args.bench_args],
                             os.path.join(args.out, "bench.log"))
     accuracy = [line for line in tests.splitlines() if "rel-L2" in line or "passed" in line or "FAILED" in line]
     print("\n".join(accuracy[-60:]))
     print(demo)
-    print(policy[policy.find("\nHopper backward"):] if "\nHopper backward" in policy else policy[-3000:])
+    print("\n".join(policy))
     print(bench[bench.rfind("\n", 0, bench.find("ceilings:")) + 1:] if "ceilings:" in bench else bench[-6000:])
     sys.exit(code or demo_code or bench_code)
 

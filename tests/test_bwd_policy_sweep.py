@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bwd_policy_sweep as sweep  # noqa: E402
 
@@ -29,16 +31,20 @@ def test_summary_counts_misses_past_each_kinds_bars():
     assert summary[("outlier", False, "dv")]["ratio_misses"] == 1
 
 
-def test_sweep_runs_the_portable_backward_on_cpu(tmp_path):
-    """One draw of Gaussian inputs on a tiny ragged batch through the script: every gradient of the portable
-    kernel within the bars, each (causal, gradient) counted once."""
+@pytest.mark.parametrize("through", ["backward", "public"])
+def test_sweep_runs_the_portable_backend_on_cpu(tmp_path, through):
+    """One draw of Gaussian inputs on a tiny ragged batch through the script, the backward kernel alone or the
+    public call: every gradient of the portable kernels within the bars, each (causal, gradient) counted
+    once, the summary last."""
     out = tmp_path / "sweep.json"
-    run = subprocess.run([sys.executable, SCRIPT, "--draws", "1", "--first", "3", "--kinds", "gaussian",
-                          "--lengths-q", "33", "0", "1", "--lengths-k", "40", "7", "5", "--json", str(out)],
+    run = subprocess.run([sys.executable, SCRIPT, "--draws", "1", "--first", "3", "--kinds", "gaussian", "--through",
+                          through, "--lengths-q", "33", "0", "1", "--lengths-k", "40", "7", "5", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-2000:]
+    summary = run.stdout[run.stdout.rfind("\n== ") + 1:].splitlines()
+    assert summary[0].startswith("== bwd_policy_sweep: portable (CPU)") and len(summary) == 2 + 6
     result = json.loads(out.read_text())
-    assert result["device"] == "cpu" and len(result["rows"]) == 2
+    assert result["device"] == "cpu" and result["through"] == through and len(result["rows"]) == 2
     assert {(s["causal"], s["gradient"]) for s in result["summary"]} == {(c, n) for c in (False, True)
                                                                          for n in sweep.GRADIENTS}
     for s in result["summary"]:
