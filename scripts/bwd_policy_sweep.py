@@ -2,7 +2,7 @@
 Hopper backward misses the bars of the GPU accuracy test on its input families.
 
     python3 scripts/bwd_policy_sweep.py [--scores fp8|bf16] [--through backward|public] [--kinds outlier heavy]
-        [--draws 40] [--first 0] [--json OUT.json]
+        [--draws 40] [--first 0] [--exact-products S|dP] [--json OUT.json]
 
 The GPU test (``tests/test_hopper_bwd.py``, the FP8-score policy) checks one fresh draw per (kind, causal):
 each gradient's rel-L2 against fp64 gradients of the unquantized inputs at most ``POLICY_GRADIENT_RATIO``
@@ -17,6 +17,12 @@ Triton interpreter (slow: for small ``--lengths-q`` / ``--lengths-k`` only).
 errors are the backward's; ``--through public`` takes both gradients through ``jagged_attention`` and
 autograd (ours: ``hopper`` or ``hopper-exact-scores`` by ``--scores``, ``portable`` on CPU; against backend
 ``reference``), forward included, as a training step has them.
+
+``--exact-products S`` (or ``dP``) is a diagnostic of where FP8 ``wgmma`` accumulation loses a draw: it puts the
+two operands of S, q and k (of dP: dO and v), on grids whose products every accumulation sums exactly
+(:func:`on_integer_grid`), so that GEMM's FP8 sums equal exact ones and a miss left over is the other GEMM's.
+The input families keep their token scales and outlier channels, coarsened; fp64 and the reference backend
+see the same inputs.
 """
 
 from __future__ import annotations
@@ -38,6 +44,19 @@ from jagged_attn.reference import reference_backward  # noqa: E402
 
 GRADIENTS = ("dq", "dk", "dv")
 TEST_BATCH = ([1000, 0, 517, 2048, 129, 33], [1100, 64, 517, 1500, 1, 33])  # the GPU policy test's lengths
+EXACT_PRODUCT_OPERANDS = {"S": ("q", "k"), "dP": ("dout", "v")}
+GRID_BITS = 3  # |integers| <= 7: a product <= 49 units, a 128-channel sum <= 6272 < 2^13 units
+
+
+def on_integer_grid(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[tokens, heads, D]``) with each token's values rounded to integers of at most ``GRID_BITS`` bits
+    times a power of two of its own (its largest value's ``2^-GRID_BITS``, rounded up). MXFP8 holds such
+    values exactly, per-token rebasing keeps them, and a dot product of two such rows is a sum of integers
+    below 2^13 units, which FP8 ``wgmma``'s ~13-bit accumulation sums exactly."""
+    top = 2**GRID_BITS - 1
+    amax = x.float().abs().amax(-1, keepdim=True)
+    unit = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny))) - GRID_BITS)
+    return (torch.round(x.float() / unit).clamp(-top, top) * unit).to(x.dtype)
 
 
 def cosine_bar(kind: str) -> float:
@@ -52,12 +71,16 @@ def public_gradients(backend, q, k, v, dout, offsets_q, offsets_k, causal, scale
     return torch.autograd.grad(out, inputs, dout)
 
 
-def draw(seed, kind, causal, scores, through, lengths_q, lengths_k, device):
+def draw(seed, kind, causal, scores, through, lengths_q, lengths_k, device, exact_products=None):
     """One draw: per gradient, (rel-L2 against fp64 over the reference backend's, reference's cosine against
     fp64 minus ours)."""
     torch.manual_seed(seed)
     q, k, v, dout, offsets_q, offsets_k = make_inputs(lengths_q, lengths_k, 8, 2, 128, device=device,
                                                       dtype=torch.bfloat16, kind=kind)
+    tensors = dict(q=q, k=k, v=v, dout=dout)
+    for name in EXACT_PRODUCT_OPERANDS.get(exact_products, ()):
+        tensors[name] = on_integer_grid(tensors[name])
+    q, k, v, dout = tensors.values()
     scale = 128**-0.5
     exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
     if through == "public":
@@ -100,6 +123,8 @@ def main():
     parser.add_argument("--first", type=int, default=0, help="the first draw's seed")
     parser.add_argument("--lengths-q", type=int, nargs="+", default=TEST_BATCH[0])
     parser.add_argument("--lengths-k", type=int, nargs="+", default=TEST_BATCH[1])
+    parser.add_argument("--exact-products", choices=sorted(EXACT_PRODUCT_OPERANDS),
+                        help="diagnostic: S's (or dP's) operands on grids that FP8 accumulation sums exactly")
     parser.add_argument("--json", help="write every draw and the summary here")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,13 +134,14 @@ def main():
             for causal in (False, True):
                 row = dict(seed=seed, kind=kind, causal=causal,
                            **draw(seed, kind, causal, args.scores, args.through, args.lengths_q, args.lengths_k,
-                                  device))
+                                  device, args.exact_products))
                 rows.append(row)
                 print(f"seed {seed} {kind:8s} causal={causal:d} | "
                       + " | ".join(f"{n} {row[n][0]:.4f} {row[n][1]:+.5f}" for n in GRADIENTS), flush=True)
     summary = summarize(rows)
     ours = f"hopper, {args.scores} S and dP" if device == "cuda" else "portable (CPU)"
     ours += ", public call (forward and backward)" if args.through == "public" else ", backward alone"
+    ours += f", {args.exact_products}'s products exact" if args.exact_products else ""
     print(f"\n== bwd_policy_sweep: {ours}: ratio bar {POLICY_GRADIENT_RATIO}, cosine bar {COSINE_SLACK} "
           f"({OUTLIER_COSINE_GAP} outlier)")
     print("kind     causal grad  draws  max ratio  ratio misses  max cosine gap  cosine misses")
@@ -124,7 +150,8 @@ def main():
               f"{s['max_gap']:+15.5f} {s['cosine_misses']:14d}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(scores=args.scores, through=args.through, device=device, rows=rows,
+            json.dump(dict(scores=args.scores, through=args.through, exact_products=args.exact_products, device=device,
+                           rows=rows,
                            summary=[dict(kind=k, causal=c, gradient=n, **s) for (k, c, n), s in summary.items()]),
                       f, indent=1)
 

@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bwd_policy_sweep as sweep  # noqa: E402
+from jagged_attn.quantize import quantize_mxfp8  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bwd_policy_sweep.py")
 
@@ -50,3 +52,23 @@ def test_sweep_runs_the_portable_backend_on_cpu(tmp_path, through):
     for s in result["summary"]:
         assert s["draws"] == 1 and s["ratio_misses"] == 0 and s["cosine_misses"] == 0, s
         assert 0.9 < s["max_ratio"] < sweep.POLICY_GRADIENT_RATIO, s
+
+
+def test_integer_grid_holds_small_integers_times_a_power_of_two_per_token_whose_dot_products_are_exact():
+    """Every token's values are integers of at most GRID_BITS bits times one power of two (its largest near the
+    top of the range), MXFP8 holds them exactly, and a float32 dot product of two grid rows equals the
+    float64 one: no sum of their products needs more than float32's, or FP8 accumulation's, 13 bits past
+    the units."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 4, 128) * torch.exp(2 * torch.randn(300, 4, 1))
+    x[:, :, [3, 77]] *= 30.0
+    grid = sweep.on_integer_grid(x)
+    unit = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True))) - sweep.GRID_BITS)
+    units = grid / unit
+    assert torch.equal(units, units.round()) and units.abs().max() <= 2**sweep.GRID_BITS - 1
+    assert (units.abs().amax(-1) >= 2 ** (sweep.GRID_BITS - 1)).all()  # each token's largest near the top
+    offsets = torch.tensor([0, 100, 300])
+    assert torch.equal(quantize_mxfp8(grid, offsets, axis="feature").dequantize(), grid)
+    a, b = units[:150].flatten(0, 1), units[150:].flatten(0, 1)
+    assert torch.equal((a @ b.T).double(), a.double() @ b.double().T)
+    assert (a @ b.T).abs().max() < 2**13
