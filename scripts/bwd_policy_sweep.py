@@ -37,13 +37,13 @@ import torch
 import jagged_attn as ja
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_hopper_bwd import (COSINE_SLACK, OUTLIER_COSINE_GAP, POLICY_GRADIENT_RATIO,  # noqa: E402  (the GPU test's)
-                             cosine, exact_gradients, forward_of, make_inputs, rel_l2, run_backward)
+from test_hopper_bwd import (COSINE_SLACK, OUTLIER_COSINE_GAP, POLICY_BATCH,  # noqa: E402  (the GPU test's)
+                             POLICY_GRADIENT_RATIO, cosine, exact_gradients, forward_of, make_inputs, rel_l2,
+                             run_backward)
 
 from jagged_attn.reference import reference_backward  # noqa: E402
 
 GRADIENTS = ("dq", "dk", "dv")
-TEST_BATCH = ([1000, 0, 517, 2048, 129, 33], [1100, 64, 517, 1500, 1, 33])  # the GPU policy test's lengths
 EXACT_PRODUCT_OPERANDS = {"S": ("q", "k"), "dP": ("dout", "v")}
 GRID_BITS = 3  # |integers| <= 7: a product <= 49 units, a 128-channel sum <= 6272 < 2^13 units
 
@@ -121,8 +121,8 @@ def main():
     parser.add_argument("--kinds", nargs="+", default=["outlier", "heavy"])
     parser.add_argument("--draws", type=int, default=40)
     parser.add_argument("--first", type=int, default=0, help="the first draw's seed")
-    parser.add_argument("--lengths-q", type=int, nargs="+", default=TEST_BATCH[0])
-    parser.add_argument("--lengths-k", type=int, nargs="+", default=TEST_BATCH[1])
+    parser.add_argument("--lengths-q", type=int, nargs="+", default=POLICY_BATCH[0])
+    parser.add_argument("--lengths-k", type=int, nargs="+", default=POLICY_BATCH[1])
     parser.add_argument("--exact-products", choices=sorted(EXACT_PRODUCT_OPERANDS),
                         help="diagnostic: S's (or dP's) operands on grids that FP8 accumulation sums exactly")
     parser.add_argument("--json", help="write every draw and the summary here")

@@ -768,6 +768,7 @@ def test_gpu_accuracy(kind, causal):
 
 
 POLICY_GRADIENT_RATIO = 1.10
+POLICY_BATCH = ([1000, 0, 517, 2048, 129, 33], [1100, 64, 517, 1500, 1, 33])  # query, key lengths: ragged and cross
 # Outlier channels: every MXFP8 backend's dQ is far from fp64 there (error ~1.5-1.6x dQ's norm, cosine
 # 0.16-0.19) and FP8 S and dP put its cosine 3.2e-3 to 4.6e-3 below the reference backend's (H200,
 # 2026-12-02; the error within 1.6%); dV's, through P from FP8 S, 1.02e-2 below in one causal draw (0.9186
@@ -786,9 +787,8 @@ def test_gpu_fp8_scores_gradient_error_against_fp64_is_the_reference_backends(ki
     L2 error against fp64 gradients of the unquantized inputs at most 1.10x the reference backend's,
     its cosine against them at most 1e-3 below the reference's (``OUTLIER_COSINE_GAP`` on outlier
     channels); ragged, cross and GQA in one batch."""
-    q, k, v, dout, offsets_q, offsets_k = make_inputs(
-        [1000, 0, 517, 2048, 129, 33], [1100, 64, 517, 1500, 1, 33], 8, 2, 128, device="cuda", dtype=torch.bfloat16,
-        kind=kind)
+    q, k, v, dout, offsets_q, offsets_k = make_inputs(*POLICY_BATCH, 8, 2, 128, device="cuda", dtype=torch.bfloat16,
+                                                      kind=kind)
     scale = 128**-0.5
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
     reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal, softmax_scale=scale)
