@@ -391,7 +391,7 @@ class Prepared:
                                     device=q.device)
         self.query_scale_tokens = 1 if exact_scores else query_scale_tokens
         self.q, _, _ = quantize_for_backward(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
-                                             group=group, order=query_order, feature_dtype=score_dtype,
+                                             order=query_order, feature_dtype=score_dtype,
                                              feature_group=self.query_scale_tokens, tiles=self.tiles_q,
                                              rows=self.rows)
         self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
