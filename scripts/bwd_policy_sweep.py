@@ -38,10 +38,8 @@ import jagged_attn as ja
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_hopper_bwd import (COSINE_SLACK, OUTLIER_COSINE_GAP, POLICY_BATCH,  # noqa: E402  (the GPU test's)
-                             POLICY_GRADIENT_RATIO, cosine, exact_gradients, forward_of, make_inputs, rel_l2,
-                             run_backward)
-
-from jagged_attn.reference import reference_backward  # noqa: E402
+                             POLICY_GRADIENT_RATIO, cosine, exact_gradients, make_inputs, policy_cosine_slack,
+                             policy_gradients, rel_l2)
 
 GRADIENTS = ("dq", "dk", "dv")
 EXACT_PRODUCT_OPERANDS = {"S": ("q", "k"), "dP": ("dout", "v")}
@@ -57,11 +55,6 @@ def on_integer_grid(x: torch.Tensor) -> torch.Tensor:
     amax = x.float().abs().amax(-1, keepdim=True)
     unit = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny))) - GRID_BITS)
     return (torch.round(x.float() / unit).clamp(-top, top) * unit).to(x.dtype)
-
-
-def cosine_bar(kind: str) -> float:
-    """How far below the reference's cosine a gradient's may sit on inputs of ``kind``."""
-    return OUTLIER_COSINE_GAP if kind == "outlier" else COSINE_SLACK
 
 
 def public_gradients(backend, q, k, v, dout, offsets_q, offsets_k, causal, scale):
@@ -82,17 +75,14 @@ def draw(seed, kind, causal, scores, through, lengths_q, lengths_k, device, exac
         tensors[name] = on_integer_grid(tensors[name])
     q, k, v, dout = tensors.values()
     scale = 128**-0.5
-    exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
     if through == "public":
         ours = {"fp8": "hopper", "bf16": "hopper-exact-scores"}[scores] if device == "cuda" else "portable"
+        exact = exact_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale)
         reference = public_gradients("reference", q, k, v, dout, offsets_q, offsets_k, causal, scale)
         got = public_gradients(ours, q, k, v, dout, offsets_q, offsets_k, causal, scale)
     else:
-        out, lse = forward_of(q, k, v, offsets_q, offsets_k, causal, scale)
-        reference = reference_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal=causal,
-                                       softmax_scale=scale)
         options = dict(scores=scores) if device == "cuda" else {}
-        got = run_backward(q, k, v, dout, out, lse, offsets_q, offsets_k, causal, scale, **options)
+        got, reference, exact = policy_gradients(q, k, v, dout, offsets_q, offsets_k, causal, scale, **options)
     return {name: (rel_l2(g, e) / rel_l2(r, e), cosine(r, e) - cosine(g, e))
             for name, g, r, e in zip(GRADIENTS, got, reference, exact)}
 
@@ -109,7 +99,7 @@ def summarize(rows):
             entry["draws"] += 1
             entry["max_ratio"], entry["max_gap"] = max(entry["max_ratio"], ratio), max(entry["max_gap"], gap)
             entry["ratio_misses"] += ratio > POLICY_GRADIENT_RATIO
-            entry["cosine_misses"] += gap > cosine_bar(row["kind"])
+            entry["cosine_misses"] += gap > policy_cosine_slack(row["kind"])
     return summary
 
 
