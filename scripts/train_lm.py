@@ -35,7 +35,9 @@ each attention's mean and spread and its difference from the BF16 peers' pooled 
 difference's standard error; then, where a configuration ran with several seeds (``--seed``: other initial
 weights and another data order), the seeds paired: each seed's difference, their mean and its standard error:
 
-    python3 scripts/train_lm.py --summarize docs/train/*.json
+    python3 scripts/train_lm.py --summarize docs/train/*.json [--pool-code]
+
+(``--pool-code``: our runs of every code version in one row, for versions whose kernels compute alike.)
 """
 
 from __future__ import annotations
@@ -345,14 +347,15 @@ def configuration(args: dict, defaults: dict) -> dict:
     return {k: v for k, v in sorted(args.items()) if k not in NOT_CONFIGURATION and (k in defaults or v)}
 
 
-def summary(results: list[dict]) -> str:
+def summary(results: list[dict], pool_code: bool = False) -> str:
     """The ``--summarize`` table of ``train_lm.json`` contents ``results``: their runs grouped by
-    :func:`configuration` (the seed included), then by attention, ours also by the digest of the code that
-    ran (the JSON's ``version``: runs of other code are other rows). Per attention the runs' count, mean
-    validation loss and sample standard deviation; per attention other than the BF16 peers
-    (``BF16_PEERS``, pooled) its mean less theirs, with the difference's standard error
-    sqrt(s1^2 / n1 + s2^2 / n2) where both sides have two runs or more. Under a group's title, what its
-    runs trained on (passes over how much text: the JSONs' ``data``, where they have it).
+    :func:`configuration` (the seed included), then by attention, ours also by the digest of the code that ran
+    (the JSON's ``version``: runs of other code are other rows; with ``pool_code`` one row, ``src:*``, for runs
+    of versions whose kernels compute alike, as a record of them must then say). Per attention the runs' count,
+    mean validation loss and sample standard deviation; per attention other than the BF16 peers (``BF16_PEERS``,
+    pooled) its mean less theirs, with the difference's standard error sqrt(s1^2 / n1 + s2^2 / n2) where both
+    sides have two runs or more. Under a group's title, what its runs trained on (passes over how much text: the
+    JSONs' ``data``, where they have it).
 
     Then, per configuration run with two seeds or more, the seeds paired: for each of ours, its difference
     from BF16 in every seed where both ran, their mean and its standard error (the per-seed differences'
@@ -376,7 +379,10 @@ def summary(results: list[dict]) -> str:
         code = result.get("version", "").partition("src:")[2]  # our code's digest (older JSONs have none)
         by_attn = groups.setdefault(label, {}).setdefault(config.get("seed"), {})
         for run in result["runs"]:
-            name = run["attn"] if run["attn"] in BF16_PEERS or not code else f"{run['attn']} src:{code}"
+            if run["attn"] in BF16_PEERS or not code:
+                name = run["attn"]
+            else:
+                name = f"{run['attn']} src:{'*' if pool_code else code}"
             by_attn.setdefault(name, []).append(run["validation_loss"])
     lines = []
     control = f"{BF16_PEERS[1]} - {BF16_PEERS[0]} (BF16 against BF16)"
@@ -442,6 +448,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="train_lm_out")
     parser.add_argument("--summarize", nargs="+", metavar="JSON",
                         help="train nothing: summarize these train_lm.json files (mean, spread, difference from BF16)")
+    parser.add_argument("--pool-code", action="store_true",
+                        help="with --summarize: our runs of every code version as one row (src:*), for versions "
+                             "whose kernels compute alike")
     return parser.parse_args(argv)
 
 
@@ -452,7 +461,7 @@ def main(argv=None) -> list[dict]:
         for path in args.summarize:
             with open(path) as f:
                 results.append(json.load(f))
-        print(summary(results))
+        print(summary(results, args.pool_code))
         return [run for result in results for run in result["runs"]]
     device = torch.device(args.device)
     train_docs, val_docs = documents(args.corpus, args.max_doc, args.max_files)

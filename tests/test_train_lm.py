@@ -131,6 +131,30 @@ def test_summarize_pools_runs_of_one_configuration_and_seed_and_gives_the_differ
     assert trained_on == "1.4 passes over 22.9 MB of training text, validation on 1.25 MB"
 
 
+def test_summarize_pools_our_runs_of_every_code_version_when_asked(tmp_path, capsys):
+    """``--pool-code``: our runs of different code digests are one row (``src:*``), compared with BF16 and
+    paired over the seeds as one attention; the BF16 peers are as without it."""
+    args = vars(train_lm.parse_args([]))
+    runs = [(0, "v1 src:aaaa", dict(hopper=1.00, varlen=1.04)), (0, "v2 src:bbbb", dict(hopper=1.02)),
+            (1, "v2 src:bbbb", dict(hopper=2.00, varlen=2.10))]
+    files = []
+    for i, (seed, version, losses) in enumerate(runs):
+        content = dict(title="t", args=dict(args, seed=seed), version=version,
+                       runs=[dict(attn=a, validation_loss=x) for a, x in losses.items()])
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(content))
+    train_lm.main(["--summarize", *map(str, files), "--pool-code"])
+    groups = {block.splitlines()[0]: block for block in capsys.readouterr().out.split("\n== ")[1:]}
+    seed0 = groups["no QK-norm, seed 0"]
+    assert "src:aaaa" not in seed0 and "src:bbbb" not in seed0
+    rows = {line[:24].strip(): line[24:].split()[:2] for line in seed0.splitlines()[2:] if " - BF16" not in line}
+    assert rows["hopper src:*"] == ["2", "1.0100"]
+    paired = groups["no QK-norm, seeds paired"].splitlines()[1:]
+    error = statistics.stdev([-0.03, -0.10]) / math.sqrt(2)
+    assert paired == [f"hopper src:* - BF16 over 2 seeds: -0.0650 (standard error {error:.4f}; "
+                      "per seed 0: -0.0300, 1: -0.1000)"]
+
+
 def test_summarize_pairs_the_two_bf16_peers_where_both_ran(tmp_path, capsys):
     """Where FA4 and ``varlen_attn`` both ran a seed, their difference is the check's BF16-against-BF16
     control, printed per seed and paired over the seeds; ours is still compared with both pooled."""
