@@ -377,12 +377,10 @@ def summary(results: list[dict], pool_code: bool = False) -> str:
                 f"{counts['passes']:.1f} passes over {counts['train_bytes'] / 1e6:.1f} MB of training text, "
                 f"validation on {counts['validation_bytes'] / 1e6:.2f} MB")
         code = result.get("version", "").partition("src:")[2]  # our code's digest (older JSONs have none)
+        code = "*" if code and pool_code else code
         by_attn = groups.setdefault(label, {}).setdefault(config.get("seed"), {})
         for run in result["runs"]:
-            if run["attn"] in BF16_PEERS or not code:
-                name = run["attn"]
-            else:
-                name = f"{run['attn']} src:{'*' if pool_code else code}"
+            name = run["attn"] if run["attn"] in BF16_PEERS or not code else f"{run['attn']} src:{code}"
             by_attn.setdefault(name, []).append(run["validation_loss"])
     lines = []
     control = f"{BF16_PEERS[1]} - {BF16_PEERS[0]} (BF16 against BF16)"
