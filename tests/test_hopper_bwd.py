@@ -1119,9 +1119,10 @@ def test_gpu_preprocessing_bandwidth():
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
     rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense
+    query_scale = torch.rand(dout.shape[1], dout.shape[0], device=dout.device) + 0.5  # Q's token scales' stand-in
     produce_ms = _median_ms(backward_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True,
                             out=out, lse=lse, order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles,
-                            rows=rows)
+                            rows=rows, query_scale=query_scale)
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
     # sequence copy written; per token and head fp32: LSE and Q's token scale read, dO's token scale
     # written, Delta and lse2 written twice (flat and padded).
