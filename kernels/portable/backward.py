@@ -373,7 +373,7 @@ def _dq_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-# The deterministic dQ kernel's tiles on a GPU (S is [BLOCK_M, BLOCK_N] there; this one does not spill).
+# The deterministic dQ kernel's tiles on a GPU (S is [BLOCK_M, BLOCK_N] there).
 GPU_DQ_TILES = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 INTERPRETER_TILES = dict(block_m=32, block_n=32, precise_scores=False, tma_reduce=False, num_warps=4, num_stages=1)
 
