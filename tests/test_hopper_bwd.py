@@ -1114,12 +1114,14 @@ def test_gpu_preprocessing_bandwidth():
     feature copy as bf16 e4m3 values for the exact dP, dO^T in pv order, the Gluon kernel's padded
     per-query vectors, the slot table built once per call and shared, as ``backward_passes.Prepared``
     does) against a device-to-device copy."""
-    _, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
+    q, _, _, dout, out, lse, offsets_q, _ = _dense_problem(8, 8192, 16, 128, False)
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
-    rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], dout.shape[0], device=dout.device)  # dense
-    query_scale = torch.rand(dout.shape[1], dout.shape[0], device=dout.device) + 0.5  # Q's token scales' stand-in
+    rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], padded_total(dout.shape[0], 8),
+                       device=dout.device)
+    query_scale = backward_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False,
+                                                        tiles=tiles)[0].token_scale
     produce_ms = _median_ms(backward_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True,
                             out=out, lse=lse, order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles,
                             rows=rows, query_scale=query_scale)

@@ -57,6 +57,27 @@ def run_child(code: str, *args, memory_gib: int | None = None) -> str:
     return result.stdout
 
 
+def test_backward_producer_refuses_row_vectors_of_another_shape():
+    """The per-query vectors go into padded slots: a ``rows`` buffer of unpadded tokens, or of other heads,
+    is refused before a kernel writes past its end (which crashed the CPU interpreter: in a child)."""
+    assert run_child("""
+        import torch
+        from jagged_attn.kernels.producers import backward_passes
+        from jagged_attn.offsets import offsets_from_lengths, padded_total
+        dout = torch.randn(75, 2, 64)
+        offsets = offsets_from_lengths(torch.tensor([70, 5]))
+        out, lse, token_scale = torch.randn_like(dout), torch.randn(75, 2), torch.ones(2, 75)
+        for tokens, heads in ((75, 2), (padded_total(75, 2), 3)):
+            rows = torch.empty(backward_passes.ROW_VECTORS.value, heads, tokens)
+            try:
+                backward_passes.quantize_for_backward(dout, offsets, feature=True, sequence=True, out=out, lse=lse,
+                                                      rows=rows, query_scale=token_scale)
+            except ValueError as error:
+                assert "rows must be" in str(error), error
+                print("refused")
+    """).split() == ["refused", "refused"]
+
+
 def test_preprocess_peak_memory_is_bounded_by_a_chunk_for_many_empty_sequences(tmp_path):
     """Every sequence, empty or not, starts a fresh 128-row scale tile: 20,000 empty sequences of 8 heads
     (D = 128) are 78 MiB of scales per axis. They were one chunk (peak ~3x the scales: 0.39 GiB above

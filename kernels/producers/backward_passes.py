@@ -330,6 +330,9 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (from Q's
     # token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's feature scales.
     scale_row = p_lse2_row = q_delta_row = -1
+    if rows is not None and tuple(rows.shape) != (ROW_VECTORS.value, heads, padded):
+        raise ValueError(f"rows must be [{ROW_VECTORS.value}, {heads}, {padded}] (vectors, heads, padded tokens), "
+                         f"got {list(rows.shape)}")
     if rows is not None and with_delta:
         if query_scale is None:
             raise ValueError("dO's per-query vectors take Q's token scales: pass query_scale")
