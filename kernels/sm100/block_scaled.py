@@ -20,13 +20,13 @@ difference is the fp32 accumulation order:
 Scale placement comes from ``jagged_attn.kernels.common.layout`` (the owner modules' formulas).
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon._runtime import constexpr_function
+from triton.language.core import _aggregate as aggregate  # Triton 3.6 does not export it yet
 
 from jagged_attn import mx_format
 from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
@@ -57,6 +57,53 @@ NUM_WARPS = 8
 NUM_STAGES = 3
 
 
+@aggregate
+class Operand:
+    """A quantized tensor where a kernel reads it: e4m3 ``data`` ``[total, heads, D]`` and its tiled E8M0
+    scale buffer ``scales`` (uint8, ``head_bytes`` from one head to the next)."""
+
+    data: tl.tensor
+    scales: tl.tensor
+    head_bytes: tl.tensor
+
+    @constexpr_function
+    def __init__(self, data, scales, head_bytes):
+        self.data, self.scales, self.head_bytes = data, scales, head_bytes
+
+
+@aggregate
+class Span:
+    """One sequence of the batch: its first token, its first row in the padded scale layout, its length."""
+
+    start: tl.tensor
+    padded: tl.tensor
+    length: tl.tensor
+
+    @constexpr_function
+    def __init__(self, start, padded, length):
+        self.start, self.padded, self.length = start, padded, length
+
+
+@aggregate
+class ScaledRows:
+    """One ``tl.dot_scaled`` operand: e4m3 ``values`` ``[R, D]`` (0 past the sequence) and its uint8 ``scales``,
+    ``[R, D / 32]`` along head_dim (feature axis) or ``[D, R / 32]`` along the tokens (sequence axis)."""
+
+    values: tl.tensor
+    scales: tl.tensor
+
+    @constexpr_function
+    def __init__(self, values, scales):
+        self.values, self.scales = values, scales
+
+
+@triton.jit
+def span_of(offsets, seq, total):
+    """The :class:`Span` of sequence ``seq`` of a batch of ``total`` tokens."""
+    start, length = sequence_span(offsets, seq, total)
+    return Span(start, padded_seq_start(start, seq), length)
+
+
 @triton.jit
 def load_tokens(ptr, first_token, tokens, length, head, heads, D: tl.constexpr):
     """``[len(tokens), D]`` rows ``first_token + tokens`` of one head of ``[total, heads, D]``; 0 past ``length``."""
@@ -66,21 +113,27 @@ def load_tokens(ptr, first_token, tokens, length, head, heads, D: tl.constexpr):
 
 
 @triton.jit
-def feature_scales(scales_ptr, padded_start, tokens, D: tl.constexpr, COL_TILES: tl.constexpr):
-    """uint8 ``[len(tokens), D / 32]``: head_dim-axis scales of one head's tiled buffer."""
+def feature_rows(src, span, tokens, head, heads, D: tl.constexpr, COL_TILES: tl.constexpr):
+    """:class:`ScaledRows` of tokens ``tokens`` of ``span`` in one head of ``src`` (an :class:`Operand`
+    quantized along head_dim): scales ``[len(tokens), D / 32]``."""
+    values = load_tokens(src.data, span.start, tokens, span.length, head, heads, D)
     blocks = tl.arange(0, D // MX_BLOCK)
-    return tl.load(scales_ptr + scale_byte_offset(padded_start + tokens[:, None], blocks[None, :], COL_TILES))
+    byte = scale_byte_offset(span.padded + tokens[:, None], blocks[None, :], COL_TILES)
+    return ScaledRows(values, tl.load(src.scales + head * src.head_bytes + byte))
 
 
 @triton.jit
-def sequence_scales(scales_ptr, padded_start, first_token, col_tiles, D: tl.constexpr, TOKENS: tl.constexpr):
-    """uint8 ``[D, TOKENS / 32]``: sequence-axis scales of tokens ``first_token ...`` (a multiple of 32).
+def sequence_rows(src, span, first_token, head, heads, col_tiles, D: tl.constexpr, TOKENS: tl.constexpr):
+    """:class:`ScaledRows` of tokens ``first_token ...`` (a multiple of 32) of ``span`` in one head of ``src``
+    (quantized along the sequence): scales ``[D, TOKENS / 32]``.
 
     Sequence-axis columns are 32-token blocks of the padded row numbering (``mxfp8.sequence_block_columns``).
     """
+    values = load_tokens(src.data, span.start, first_token + tl.arange(0, TOKENS), span.length, head, heads, D)
     channels = tl.arange(0, D)
-    columns = (padded_start + first_token) // MX_BLOCK + tl.arange(0, TOKENS // MX_BLOCK)
-    return tl.load(scales_ptr + scale_byte_offset(channels[:, None], columns[None, :], col_tiles))
+    columns = (span.padded + first_token) // MX_BLOCK + tl.arange(0, TOKENS // MX_BLOCK)
+    byte = scale_byte_offset(channels[:, None], columns[None, :], col_tiles)
+    return ScaledRows(values, tl.load(src.scales + head * src.head_bytes + byte))
 
 
 @triton.jit
@@ -127,65 +180,41 @@ def quantize_square_tiles(x, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: 
 
 
 @triton.jit
-def scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2):
-    """S = Q K^T * softmax_scale * log2(e) from feature-axis MX operands, -inf where ``mask`` is false."""
+def scores_log2(lhs, rhs, mask, qk_scale_log2):
+    """S = lhs rhs^T * softmax_scale * log2(e) of two feature-axis :class:`ScaledRows`, -inf where ``mask`` is
+    false."""
     bias = tl.where(mask, 0.0, float("-inf"))
-    return tl.dot_scaled(q, q_scale, "e4m3", tl.trans(k), k_scale, "e4m3", bias) * qk_scale_log2
+    return tl.dot_scaled(lhs.values, lhs.scales, "e4m3", tl.trans(rhs.values), rhs.scales, "e4m3", bias) * qk_scale_log2
 
 
 @triton.jit
 def forward_kernel(
-    q_ptr,
-    q_scales,
-    k_ptr,
-    k_scales,
-    v_ptr,
-    v_scales,
-    out_ptr,
-    lse_ptr,
-    offsets_q,
-    offsets_k,
-    batch,
-    total_q,
-    total_k,
-    q_head_bytes,
-    k_head_bytes,
-    v_head_bytes,
-    v_col_tiles,
-    qk_scale_log2,
-    heads_q,
-    heads_kv,
-    D: tl.constexpr,
-    FEATURE_COL_TILES: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    q_ptr, q_scales, k_ptr, k_scales, v_ptr, v_scales, out_ptr, lse_ptr, offsets_q, offsets_k, batch, total_q,
+    total_k, q_head_bytes, k_head_bytes, v_head_bytes, v_col_tiles, qk_scale_log2, heads_q, heads_kv,
+    D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (query tile, sequence, query head): out ``[BLOCK_M, D]`` and LSE, two passes over the keys."""
     tile, seq = grid_split(batch)
     head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q, seq, total_q)
-    k_start, len_k = sequence_span(offsets_k, seq, total_k)
+    queries = span_of(offsets_q, seq, total_q)
+    keys = span_of(offsets_k, seq, total_k)
+    len_q, len_k = queries.length, keys.length
     if tile * BLOCK_M >= len_q:
         return
     kv_head = head // (heads_q // heads_kv)
-    k_padded = padded_seq_start(k_start, seq)
-    k_scales += kv_head * k_head_bytes
-    v_scales += kv_head * v_head_bytes
+    k_src = Operand(k_ptr, k_scales, k_head_bytes)
+    v_src = Operand(v_ptr, v_scales, v_head_bytes)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_tokens(q_ptr, q_start, rows, len_q, head, heads_q, D)
-    q_scale = feature_scales(q_scales + head * q_head_bytes, padded_seq_start(q_start, seq), rows, D, FEATURE_COL_TILES)
+    q = feature_rows(Operand(q_ptr, q_scales, q_head_bytes), queries, rows, head, heads_q, D, FEATURE_COL_TILES)
     keys_end = visible_keys_end(tile, len_q, len_k, CAUSAL, BLOCK_M)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for first_key in range(0, keys_end, BLOCK_N):
         cols = first_key + tl.arange(0, BLOCK_N)
-        k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
-        k_scale = feature_scales(k_scales, k_padded, cols, D, FEATURE_COL_TILES)
-        mask = visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL)
-        s = scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2)
+        k = feature_rows(k_src, keys, cols, kv_head, heads_kv, D, FEATURE_COL_TILES)
+        s = scores_log2(q, k, visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), qk_scale_log2)
         row_max = tl.maximum(row_max, tl.max(s, axis=1))
     # the final row max, as the reference; rows that see no key: P = 0
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -195,22 +224,19 @@ def forward_kernel(
     p_scale = tl.full([BLOCK_M, BLOCK_N // MX_BLOCK], P_SCALE_BYTE, tl.uint8)
     for first_key in range(0, keys_end, BLOCK_N):
         cols = first_key + tl.arange(0, BLOCK_N)
-        k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
-        k_scale = feature_scales(k_scales, k_padded, cols, D, FEATURE_COL_TILES)
-        mask = visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL)
-        s = scores_log2(q, q_scale, k, k_scale, mask, qk_scale_log2)
+        k = feature_rows(k_src, keys, cols, kv_head, heads_kv, D, FEATURE_COL_TILES)
+        s = scores_log2(q, k, visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL), qk_scale_log2)
         p = tl.exp2(s - row_max[:, None])
         row_sum += tl.sum(p, axis=1)
-        v = load_tokens(v_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
-        v_scale = sequence_scales(v_scales, k_padded, first_key, v_col_tiles, D, BLOCK_N)
+        v = sequence_rows(v_src, keys, first_key, kv_head, heads_kv, v_col_tiles, D, BLOCK_N)
         p8 = fp8.to_e4m3(p * P_SCALE, INTERPRET)
-        acc = tl.dot_scaled(p8, p_scale, "e4m3", v, v_scale, "e4m3", acc)
+        acc = tl.dot_scaled(p8, p_scale, "e4m3", v.values, v.scales, "e4m3", acc)
 
     seen = row_sum > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, row_sum, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (row_max + tl.log2(row_sum)) * LN2, float("-inf"))
     channels = tl.arange(0, D)
-    token = q_start + rows
+    token = queries.start + rows
     tl.store(
         out_ptr + (token[:, None] * heads_q + head) * D + channels[None, :],
         fp8.saturating_cast(out, out_ptr.dtype.element_ty),
@@ -220,124 +246,41 @@ def forward_kernel(
 
 
 @triton.jit
-def score_gradients(
-    s_lhs,
-    s_lhs_scale,
-    s_rhs,
-    s_rhs_scale,
-    dp_lhs,
-    dp_lhs_scale,
-    dp_rhs,
-    dp_rhs_scale,
-    lse,
-    delta,
-    mask,
-    qk_scale_log2,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+def score_gradients(s_lhs, s_rhs, dp_lhs, dp_rhs, lse, delta, mask, qk_scale_log2, ROWS: tl.constexpr,
+                    COLS: tl.constexpr, INTERPRET: tl.constexpr):
     """P = exp(S - LSE) (fp32) and dS = P * (dP - Delta) as e4m3 with one rceil byte per 32 x 32 tile.
 
-    Either orientation: S = s_lhs s_rhs^T and dP = dp_lhs dp_rhs^T are (Q K^T, dO V^T) for query-major
-    tiles or (K Q^T, V dO^T) for key-major ones; ``lse``, ``delta`` and ``mask`` come broadcast to match.
+    Either orientation: S = s_lhs s_rhs^T and dP = dp_lhs dp_rhs^T (feature-axis :class:`ScaledRows`) are
+    (Q K^T, dO V^T) for query-major tiles or (K Q^T, V dO^T) for key-major ones; ``lse``, ``delta`` and
+    ``mask`` come broadcast to match.
     """
-    s = scores_log2(s_lhs, s_lhs_scale, s_rhs, s_rhs_scale, mask, qk_scale_log2)
+    s = scores_log2(s_lhs, s_rhs, mask, qk_scale_log2)
     p = tl.where(mask, tl.exp2(s - lse * LOG2E), 0.0)
     minus_delta = tl.broadcast_to(-delta, (ROWS, COLS))
-    dp_minus_delta = tl.dot_scaled(dp_lhs, dp_lhs_scale, "e4m3", tl.trans(dp_rhs), dp_rhs_scale, "e4m3", minus_delta)
+    dp_minus_delta = tl.dot_scaled(dp_lhs.values, dp_lhs.scales, "e4m3", tl.trans(dp_rhs.values), dp_rhs.scales,
+                                   "e4m3", minus_delta)
     ds8, ds_bytes = quantize_square_tiles(tl.where(mask, p * dp_minus_delta, 0.0), ROWS, COLS, INTERPRET)
     return p, ds8, ds_bytes
 
 
 @triton.jit
-def load_query_rows(
-    q_ptr,
-    q_scales,
-    do_ptr,
-    do_scales,
-    lse_ptr,
-    delta_ptr,
-    q_start,
-    q_padded,
-    rows,
-    len_q,
-    head,
-    heads_q,
-    head_bytes,
-    D: tl.constexpr,
-    FEATURE_COL_TILES: tl.constexpr,
-):
-    """Q and dO rows with their head_dim-axis scales, LSE and Delta, for one query head."""
-    q = load_tokens(q_ptr, q_start, rows, len_q, head, heads_q, D)
-    q_scale = feature_scales(q_scales + head * head_bytes, q_padded, rows, D, FEATURE_COL_TILES)
-    do = load_tokens(do_ptr, q_start, rows, len_q, head, heads_q, D)
-    do_scale = feature_scales(do_scales + head * head_bytes, q_padded, rows, D, FEATURE_COL_TILES)
-    lse = tl.load(lse_ptr + (q_start + rows) * heads_q + head, mask=rows < len_q, other=0.0)
-    delta = tl.load(delta_ptr + (q_start + rows) * heads_q + head, mask=rows < len_q, other=0.0)
-    return q, q_scale, do, do_scale, lse, delta
-
-
-@triton.jit
-def load_key_rows(
-    k_ptr,
-    k_scales,
-    v_ptr,
-    v_scales,
-    k_start,
-    k_padded,
-    cols,
-    len_k,
-    kv_head,
-    heads_kv,
-    head_bytes,
-    D: tl.constexpr,
-    FEATURE_COL_TILES: tl.constexpr,
-):
-    """K and V rows with their head_dim-axis scales, for one KV head."""
-    k = load_tokens(k_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
-    k_scale = feature_scales(k_scales + kv_head * head_bytes, k_padded, cols, D, FEATURE_COL_TILES)
-    v = load_tokens(v_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
-    v_scale = feature_scales(v_scales + kv_head * head_bytes, k_padded, cols, D, FEATURE_COL_TILES)
-    return k, k_scale, v, v_scale
+def query_rows(q_src, do_src, lse_ptr, delta_ptr, queries, rows, head, heads_q, D: tl.constexpr,
+               FEATURE_COL_TILES: tl.constexpr):
+    """Q and dO rows ``rows`` of one query head (feature-axis :class:`ScaledRows`), with their LSE and Delta."""
+    q = feature_rows(q_src, queries, rows, head, heads_q, D, FEATURE_COL_TILES)
+    do = feature_rows(do_src, queries, rows, head, heads_q, D, FEATURE_COL_TILES)
+    lse = tl.load(lse_ptr + (queries.start + rows) * heads_q + head, mask=rows < queries.length, other=0.0)
+    delta = tl.load(delta_ptr + (queries.start + rows) * heads_q + head, mask=rows < queries.length, other=0.0)
+    return q, do, lse, delta
 
 
 @triton.jit
 def dkdv_kernel(
-    q_ptr,
-    q_scales,
-    q_seq_ptr,
-    q_seq_scales,
-    do_ptr,
-    do_scales,
-    do_seq_ptr,
-    do_seq_scales,
-    k_ptr,
-    k_scales,
-    v_ptr,
-    v_scales,
-    lse_ptr,
-    delta_ptr,
-    dk_ptr,
-    dv_ptr,
-    offsets_q,
-    offsets_k,
-    batch,
-    total_q,
-    total_k,
-    q_feature_head_bytes,
-    q_sequence_head_bytes,
-    k_feature_head_bytes,
-    q_col_tiles,
-    softmax_scale,
-    heads_q,
-    heads_kv,
-    D: tl.constexpr,
-    FEATURE_COL_TILES: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    q_ptr, q_scales, q_seq_ptr, q_seq_scales, do_ptr, do_scales, do_seq_ptr, do_seq_scales, k_ptr, k_scales,
+    v_ptr, v_scales, lse_ptr, delta_ptr, dk_ptr, dv_ptr, offsets_q, offsets_k, batch, total_q, total_k,
+    q_feature_head_bytes, q_sequence_head_bytes, k_feature_head_bytes, q_col_tiles, softmax_scale, heads_q,
+    heads_kv, D: tl.constexpr, FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (key tile, sequence, KV head): dK, dV ``[BLOCK_N, D]`` summed over the head's query-head group.
 
@@ -350,30 +293,22 @@ def dkdv_kernel(
     """
     tile, seq = grid_split(batch)
     kv_head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q, seq, total_q)
-    k_start, len_k = sequence_span(offsets_k, seq, total_k)
+    queries = span_of(offsets_q, seq, total_q)
+    keys = span_of(offsets_k, seq, total_k)
+    len_q, len_k = queries.length, keys.length
     if tile * BLOCK_N >= len_k:
         return
-    q_padded = padded_seq_start(q_start, seq)
-    k_padded = padded_seq_start(k_start, seq)
+    q_src = Operand(q_ptr, q_scales, q_feature_head_bytes)
+    do_src = Operand(do_ptr, do_scales, q_feature_head_bytes)
+    q_seq_src = Operand(q_seq_ptr, q_seq_scales, q_sequence_head_bytes)
+    do_seq_src = Operand(do_seq_ptr, do_seq_scales, q_sequence_head_bytes)
 
     first_key = tile * BLOCK_N
     cols = first_key + tl.arange(0, BLOCK_N)
-    k, k_scale, v, v_scale = load_key_rows(
-        k_ptr,
-        k_scales,
-        v_ptr,
-        v_scales,
-        k_start,
-        k_padded,
-        cols,
-        len_k,
-        kv_head,
-        heads_kv,
-        k_feature_head_bytes,
-        D,
-        FEATURE_COL_TILES,
-    )
+    k = feature_rows(Operand(k_ptr, k_scales, k_feature_head_bytes), keys, cols, kv_head, heads_kv, D,
+                     FEATURE_COL_TILES)
+    v = feature_rows(Operand(v_ptr, v_scales, k_feature_head_bytes), keys, cols, kv_head, heads_kv, D,
+                     FEATURE_COL_TILES)
 
     first_query = 0
     if CAUSAL:  # the first query that sees key `first_key`, rounded down to a tile
@@ -384,92 +319,32 @@ def dkdv_kernel(
     for head in range(kv_head * (heads_q // heads_kv), (kv_head + 1) * (heads_q // heads_kv)):
         for first_row in range(first_query, len_q, BLOCK_M):
             rows = first_row + tl.arange(0, BLOCK_M)
-            q, q_scale, do, do_scale, lse, delta = load_query_rows(
-                q_ptr,
-                q_scales,
-                do_ptr,
-                do_scales,
-                lse_ptr,
-                delta_ptr,
-                q_start,
-                q_padded,
-                rows,
-                len_q,
-                head,
-                heads_q,
-                q_feature_head_bytes,
-                D,
-                FEATURE_COL_TILES,
-            )
+            q, do, lse, delta = query_rows(q_src, do_src, lse_ptr, delta_ptr, queries, rows, head, heads_q, D,
+                                           FEATURE_COL_TILES)
             p_t, ds8_t, ds_t_bytes = score_gradients(
-                k,
-                k_scale,
-                q,
-                q_scale,
-                v,
-                v_scale,
-                do,
-                do_scale,
-                lse[None, :],
-                delta[None, :],
-                visible(rows[None, :], cols[:, None], len_q, len_k, CAUSAL),
-                softmax_scale * LOG2E,
-                BLOCK_N,
-                BLOCK_M,
-                INTERPRET,
+                k, q, v, do, lse[None, :], delta[None, :], visible(rows[None, :], cols[:, None], len_q, len_k, CAUSAL),
+                softmax_scale * LOG2E, BLOCK_N, BLOCK_M, INTERPRET,
             )
 
-            do_seq = load_tokens(do_seq_ptr, q_start, rows, len_q, head, heads_q, D)
-            do_seq_scale = sequence_scales(
-                do_seq_scales + head * q_sequence_head_bytes, q_padded, first_row, q_col_tiles, D, BLOCK_M
-            )
+            do_seq = sequence_rows(do_seq_src, queries, first_row, head, heads_q, q_col_tiles, D, BLOCK_M)
             p8_t = fp8.to_e4m3(p_t * P_SCALE, INTERPRET)
-            dv = tl.dot_scaled(p8_t, p_scale, "e4m3", do_seq, do_seq_scale, "e4m3", dv)
+            dv = tl.dot_scaled(p8_t, p_scale, "e4m3", do_seq.values, do_seq.scales, "e4m3", dv)
 
-            q_seq = load_tokens(q_seq_ptr, q_start, rows, len_q, head, heads_q, D)
-            q_seq_scale = sequence_scales(
-                q_seq_scales + head * q_sequence_head_bytes, q_padded, first_row, q_col_tiles, D, BLOCK_M
-            )
+            q_seq = sequence_rows(q_seq_src, queries, first_row, head, heads_q, q_col_tiles, D, BLOCK_M)
             ds_t_scale = per_row(ds_t_bytes, BLOCK_N, BLOCK_M // MX_BLOCK)
-            dk = tl.dot_scaled(ds8_t, ds_t_scale, "e4m3", q_seq, q_seq_scale, "e4m3", dk)
+            dk = tl.dot_scaled(ds8_t, ds_t_scale, "e4m3", q_seq.values, q_seq.scales, "e4m3", dk)
 
-    kv_rows = ((k_start + cols[:, None]) * heads_kv + kv_head) * D + tl.arange(0, D)[None, :]
+    kv_rows = ((keys.start + cols[:, None]) * heads_kv + kv_head) * D + tl.arange(0, D)[None, :]
     tl.store(dk_ptr + kv_rows, (dk * softmax_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None] < len_k)
     tl.store(dv_ptr + kv_rows, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None] < len_k)
 
 
 @triton.jit
 def dq_kernel(
-    q_ptr,
-    q_scales,
-    do_ptr,
-    do_scales,
-    k_ptr,
-    k_scales,
-    v_ptr,
-    v_scales,
-    k_seq_ptr,
-    k_seq_scales,
-    lse_ptr,
-    delta_ptr,
-    dq_ptr,
-    offsets_q,
-    offsets_k,
-    batch,
-    total_q,
-    total_k,
-    q_feature_head_bytes,
-    k_feature_head_bytes,
-    k_sequence_head_bytes,
-    k_col_tiles,
-    softmax_scale,
-    heads_q,
-    heads_kv,
-    D: tl.constexpr,
-    FEATURE_COL_TILES: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    q_ptr, q_scales, do_ptr, do_scales, k_ptr, k_scales, v_ptr, v_scales, k_seq_ptr, k_seq_scales, lse_ptr,
+    delta_ptr, dq_ptr, offsets_q, offsets_k, batch, total_q, total_k, q_feature_head_bytes, k_feature_head_bytes,
+    k_sequence_head_bytes, k_col_tiles, softmax_scale, heads_q, heads_kv, D: tl.constexpr,
+    FEATURE_COL_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One (query tile, sequence, query head): dQ = dS K ``[BLOCK_M, D]`` (K on the sequence axis).
@@ -478,76 +353,36 @@ def dq_kernel(
     """
     tile, seq = grid_split(batch)
     head = tl.program_id(1)
-    q_start, len_q = sequence_span(offsets_q, seq, total_q)
-    k_start, len_k = sequence_span(offsets_k, seq, total_k)
+    queries = span_of(offsets_q, seq, total_q)
+    keys = span_of(offsets_k, seq, total_k)
+    len_q, len_k = queries.length, keys.length
     if tile * BLOCK_M >= len_q:
         return
     kv_head = head // (heads_q // heads_kv)
-    q_padded = padded_seq_start(q_start, seq)
-    k_padded = padded_seq_start(k_start, seq)
-    k_seq_scales += kv_head * k_sequence_head_bytes
+    k_src = Operand(k_ptr, k_scales, k_feature_head_bytes)
+    v_src = Operand(v_ptr, v_scales, k_feature_head_bytes)
+    k_seq_src = Operand(k_seq_ptr, k_seq_scales, k_sequence_head_bytes)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    q, q_scale, do, do_scale, lse, delta = load_query_rows(
-        q_ptr,
-        q_scales,
-        do_ptr,
-        do_scales,
-        lse_ptr,
-        delta_ptr,
-        q_start,
-        q_padded,
-        rows,
-        len_q,
-        head,
-        heads_q,
-        q_feature_head_bytes,
-        D,
-        FEATURE_COL_TILES,
-    )
+    q, do, lse, delta = query_rows(Operand(q_ptr, q_scales, q_feature_head_bytes),
+                                   Operand(do_ptr, do_scales, q_feature_head_bytes), lse_ptr, delta_ptr, queries,
+                                   rows, head, heads_q, D, FEATURE_COL_TILES)
 
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     for first_key in range(0, visible_keys_end(tile, len_q, len_k, CAUSAL, BLOCK_M), BLOCK_N):
         cols = first_key + tl.arange(0, BLOCK_N)
-        k, k_scale, v, v_scale = load_key_rows(
-            k_ptr,
-            k_scales,
-            v_ptr,
-            v_scales,
-            k_start,
-            k_padded,
-            cols,
-            len_k,
-            kv_head,
-            heads_kv,
-            k_feature_head_bytes,
-            D,
-            FEATURE_COL_TILES,
-        )
+        k = feature_rows(k_src, keys, cols, kv_head, heads_kv, D, FEATURE_COL_TILES)
+        v = feature_rows(v_src, keys, cols, kv_head, heads_kv, D, FEATURE_COL_TILES)
         _, ds8, ds_bytes = score_gradients(
-            q,
-            q_scale,
-            k,
-            k_scale,
-            do,
-            do_scale,
-            v,
-            v_scale,
-            lse[:, None],
-            delta[:, None],
-            visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL),
-            softmax_scale * LOG2E,
-            BLOCK_M,
-            BLOCK_N,
-            INTERPRET,
+            q, k, do, v, lse[:, None], delta[:, None], visible(rows[:, None], cols[None, :], len_q, len_k, CAUSAL),
+            softmax_scale * LOG2E, BLOCK_M, BLOCK_N, INTERPRET,
         )
-        k_seq = load_tokens(k_seq_ptr, k_start, cols, len_k, kv_head, heads_kv, D)
-        k_seq_scale = sequence_scales(k_seq_scales, k_padded, first_key, k_col_tiles, D, BLOCK_N)
+        k_seq = sequence_rows(k_seq_src, keys, first_key, kv_head, heads_kv, k_col_tiles, D, BLOCK_N)
         ds_scale = per_row(ds_bytes, BLOCK_M, BLOCK_N // MX_BLOCK)
-        dq = tl.dot_scaled(ds8, ds_scale, "e4m3", k_seq, k_seq_scale, "e4m3", dq)
+        dq = tl.dot_scaled(ds8, ds_scale, "e4m3", k_seq.values, k_seq.scales, "e4m3", dq)
 
     tl.store(
-        dq_ptr + ((q_start + rows[:, None]) * heads_q + head) * D + tl.arange(0, D)[None, :],
+        dq_ptr + ((queries.start + rows[:, None]) * heads_q + head) * D + tl.arange(0, D)[None, :],
         (dq * softmax_scale).to(dq_ptr.dtype.element_ty),
         mask=rows[:, None] < len_q,
     )
@@ -577,15 +412,8 @@ def _scale_bytes(mx: MXFP8Jagged) -> torch.Tensor:
 
 def _launch_meta(head_dim: int, causal: bool) -> dict:
     """Compile-time parameters and launch options shared by the kernels (all but BLOCK_M)."""
-    return dict(
-        D=head_dim,
-        FEATURE_COL_TILES=scale_col_tiles("feature", 0, 0, head_dim),  # depends on D alone
-        CAUSAL=causal,
-        BLOCK_N=BLOCK_N,
-        INTERPRET=fp8.INTERPRETED,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    return dict(D=head_dim, FEATURE_COL_TILES=scale_col_tiles("feature", 0, 0, head_dim),  # depends on D alone
+                CAUSAL=causal, BLOCK_N=BLOCK_N, INTERPRET=fp8.INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def attention_forward(
@@ -616,28 +444,9 @@ def attention_forward(
         return out, lse
     q_scales, k_scales, v_scales = _scale_bytes(q), _scale_bytes(k), _scale_bytes(v)
     forward_kernel[grid](
-        q.data,
-        q_scales,
-        k.data,
-        k_scales,
-        v.data,
-        v_scales,
-        out,
-        lse,
-        q.offsets,
-        k.offsets,
-        q.batch_size,
-        total_q,
-        k.data.shape[0],
-        q_scales.stride(0),
-        k_scales.stride(0),
-        v_scales.stride(0),
-        v.scale_col_tiles(),
-        softmax_scale * LOG2E.value,
-        heads_q,
-        heads_kv,
-        BLOCK_M=BLOCK_M,
-        **_launch_meta(head_dim, causal),
+        q.data, q_scales, k.data, k_scales, v.data, v_scales, out, lse, q.offsets, k.offsets, q.batch_size, total_q,
+        k.data.shape[0], q_scales.stride(0), k_scales.stride(0), v_scales.stride(0), v.scale_col_tiles(),
+        softmax_scale * LOG2E.value, heads_q, heads_kv, BLOCK_M=BLOCK_M, **_launch_meta(head_dim, causal),
     )
     return out, lse
 
@@ -676,83 +485,26 @@ def attention_backward(operands: BackwardOperands, lse, delta, *, causal: bool, 
     dk = torch.empty(total_k, heads_kv, head_dim, dtype=dtypes[1], device=device)
     dv = torch.empty(total_k, heads_kv, head_dim, dtype=dtypes[2], device=device)
     batch = offsets_q.numel() - 1
-    scales = {
-        name: _scale_bytes(mx)
-        for name, mx in [
-            ("q", q_feature),
-            ("q_seq", q_sequence),
-            ("do", do_feature),
-            ("do_seq", do_sequence),
-            ("k", k_feature),
-            ("k_seq", k_sequence),
-            ("v", v_feature),
-        ]
-    }
+    scales = {name: _scale_bytes(mx) for name, mx in [("q", q_feature), ("q_seq", q_sequence), ("do", do_feature),
+                                                       ("do_seq", do_sequence), ("k", k_feature),
+                                                       ("k_seq", k_sequence), ("v", v_feature)]}
     lse = lse.contiguous()
     meta = _launch_meta(head_dim, causal)
     dkdv_grid = (triton.cdiv(max_length(offsets_k, total_k), BLOCK_N) * batch, heads_kv)
     if 0 not in dkdv_grid:
         dkdv_kernel[dkdv_grid](
-            q_feature.data,
-            scales["q"],
-            q_sequence.data,
-            scales["q_seq"],
-            do_feature.data,
-            scales["do"],
-            do_sequence.data,
-            scales["do_seq"],
-            k_feature.data,
-            scales["k"],
-            v_feature.data,
-            scales["v"],
-            lse,
-            delta,
-            dk,
-            dv,
-            offsets_q,
-            offsets_k,
-            batch,
-            total_q,
-            total_k,
-            scales["q"].stride(0),
-            scales["q_seq"].stride(0),
-            scales["k"].stride(0),
-            q_sequence.scale_col_tiles(),
-            softmax_scale,
-            heads_q,
-            heads_kv,
-            BLOCK_M=DKDV_BLOCK_M,
-            **meta,
+            q_feature.data, scales["q"], q_sequence.data, scales["q_seq"], do_feature.data, scales["do"],
+            do_sequence.data, scales["do_seq"], k_feature.data, scales["k"], v_feature.data, scales["v"], lse, delta,
+            dk, dv, offsets_q, offsets_k, batch, total_q, total_k, scales["q"].stride(0), scales["q_seq"].stride(0),
+            scales["k"].stride(0), q_sequence.scale_col_tiles(), softmax_scale, heads_q, heads_kv,
+            BLOCK_M=DKDV_BLOCK_M, **meta,
         )
     dq_grid = (triton.cdiv(max_length(offsets_q, total_q), BLOCK_M) * batch, heads_q)
     if 0 not in dq_grid:
         dq_kernel[dq_grid](
-            q_feature.data,
-            scales["q"],
-            do_feature.data,
-            scales["do"],
-            k_feature.data,
-            scales["k"],
-            v_feature.data,
-            scales["v"],
-            k_sequence.data,
-            scales["k_seq"],
-            lse,
-            delta,
-            dq,
-            offsets_q,
-            offsets_k,
-            batch,
-            total_q,
-            total_k,
-            scales["q"].stride(0),
-            scales["k"].stride(0),
-            scales["k_seq"].stride(0),
-            k_sequence.scale_col_tiles(),
-            softmax_scale,
-            heads_q,
-            heads_kv,
-            BLOCK_M=BLOCK_M,
-            **meta,
+            q_feature.data, scales["q"], do_feature.data, scales["do"], k_feature.data, scales["k"], v_feature.data,
+            scales["v"], k_sequence.data, scales["k_seq"], lse, delta, dq, offsets_q, offsets_k, batch, total_q,
+            total_k, scales["q"].stride(0), scales["k"].stride(0), scales["k_seq"].stride(0),
+            k_sequence.scale_col_tiles(), softmax_scale, heads_q, heads_kv, BLOCK_M=BLOCK_M, **meta,
         )
     return dq, dk, dv
