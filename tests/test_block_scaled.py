@@ -44,13 +44,13 @@ NON_TCGEN05_MMA = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)")
 TOLERANCE = 5e-3  # relative L2 against the reference on the same MXFP8 operands
 
 
-def _mx_values(operand, scales, k_axis: int) -> np.ndarray:
-    """float32 values of an e4m3 ``tl.dot_scaled`` operand: each element times 2^(byte - 127) of its
-    32-element block along K (``scales``: ``[rows, K / 32]``, the rows being M for the left operand, N
-    for the right)."""
-    values = interpreter._convert_float(operand.data, operand.dtype.scalar, tl.float16, None).view(np.float16)
-    factors = np.repeat(np.exp2(scales.data.astype(np.float32) - mx_format.E8M0_BIAS), mx_format.BLOCK_SIZE, axis=1)
-    return values.astype(np.float32) * (factors if k_axis == 1 else factors.T)
+def _mx_values(operand, scales, k_axis: int) -> torch.Tensor:
+    """float32 values of an e4m3 ``tl.dot_scaled`` operand (the interpreter holds its bytes): each element
+    times the value of its 32-element block's E8M0 byte along K (``scales``: ``[rows, K / 32]``, the rows
+    being M for the left operand, N for the right)."""
+    values = torch.from_numpy(operand.data).view(torch.float8_e4m3fn).float()
+    factors = mx_format.descale_factors(torch.from_numpy(scales.data)).repeat_interleave(mx_format.BLOCK_SIZE, dim=1)
+    return values * (factors if k_axis == 1 else factors.T)
 
 
 def _create_dot_scaled(self, lhs, lhs_scale, lhs_format, rhs, rhs_scale, rhs_format, fast_math, lhs_k_pack,
@@ -58,8 +58,8 @@ def _create_dot_scaled(self, lhs, lhs_scale, lhs_format, rhs, rhs_scale, rhs_for
     formats = {str(lhs_format), str(rhs_format)}
     if not all(name.endswith("E4M3") for name in formats):
         raise NotImplementedError(f"interpreted tl.dot_scaled takes e4m3 operands only, got {formats}")
-    product = _mx_values(lhs, lhs_scale, 1) @ _mx_values(rhs, rhs_scale, 0)
-    return interpreter.TensorHandle((product + acc.data).astype(np.float32), tl.float32)
+    product = (_mx_values(lhs, lhs_scale, 1) @ _mx_values(rhs, rhs_scale, 0)).numpy()
+    return interpreter.TensorHandle(product + acc.data.astype(np.float32), tl.float32)
 
 
 @pytest.fixture

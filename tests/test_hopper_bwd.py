@@ -1118,8 +1118,8 @@ def test_gpu_preprocessing_bandwidth():
     copy_ms = _median_ms(torch.empty_like(dout).copy_, dout)
     copy_bandwidth = 2 * dout.numel() * dout.element_size() / copy_ms * 1e-6  # GB/s
     tiles = slot_tiles(offsets_q, dout.shape[0])
-    rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], padded_total(dout.shape[0], 8),
-                       device=dout.device)
+    padded = padded_total(dout.shape[0], offsets_q.numel() - 1)
+    rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], padded, device=dout.device)
     query_scale = backward_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False,
                                                         tiles=tiles)[0].token_scale
     produce_ms = _median_ms(backward_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True,
