@@ -26,7 +26,7 @@ hardware path they run:
 * ``block-scaled``: the spec-exact ``tl.dot_scaled`` kernels (native block-scaled MMA on sm_100+,
   emulated by Triton on sm_90);
 * ``portable``: the same algorithm and operands as ``hopper`` in plain Triton, one program per tile
-  (``kernels/portable``): what ``auto`` picks on sm_89 (e4m3 ``mma.sync``) and what the CPU
+  (``jagged_attn/kernels/portable``): what ``auto`` picks on sm_89 (e4m3 ``mma.sync``) and what the CPU
   interpreter runs (CI); it runs on Hopper too, slower.
 
 The names of the previous release (``triton``, ``triton-fast``, ``exact``) still resolve, with a

@@ -15,7 +15,7 @@ forward's epilogue.
 The centers are constants to autograd, which is exact: the attention's output does not depend on c,
 and O's dependence on the values' c is the identity that adding c back restores; the LSE's
 ``scale * q . c`` term gives q its gradient. Rows that see no key keep O = 0. On CUDA the passes are
-the kernels of ``kernels/producers/center.py``; elsewhere (and while torch.compile traces) the torch
+the kernels of ``jagged_attn/kernels/producers/center.py``; elsewhere (and while torch.compile traces) the torch
 forms here, which are also their reference.
 """
 

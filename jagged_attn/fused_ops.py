@@ -2,11 +2,11 @@
 
 * ``jagged_attn::linear_quantize``: ``y = x @ weight.T (+ bias)`` as bf16 ``[total, H, D]`` plus
   its feature-axis MXFP8 (data, tiled scales) and a NaN/Inf flag from the GEMM's epilogue
-  (``kernels/producers/linear_quantize.py``). Differentiable in x, weight, bias through ``y``: the ordinary
+  (``jagged_attn/kernels/producers/linear_quantize.py``). Differentiable in x, weight, bias through ``y``: the ordinary
   linear gradients, in torch.
 * ``jagged_attn::rms_norm_quantize``: RMSNorm over D of ``x [total, H, D]`` as (normalized, rstd)
   plus the normalized values' feature-axis MXFP8 and a NaN/Inf flag, from one read of ``x``
-  (``kernels/producers/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
+  (``jagged_attn/kernels/producers/rmsnorm_quantize.py``). Differentiable in x and weight through ``normalized``: the
   RMSNorm gradients from the saved rstd (torch's fused RMSNorm backward kernel on CUDA).
 * ``jagged_attn::prequantized_attention``: attention whose Q and K arrive quantized (data +
   tiled scales, e.g. from the two ops above) next to their high-precision copies; V arrives in

@@ -110,7 +110,7 @@ def mxfp8_without_value_checks(data, scales, offsets, axis: str, rounding: str =
     check) or from another MXFP8Jagged. Dtypes and shapes are checked; no pass over the data, no
     wait for the device. ``scales``: float8_e8m0fnu, or their uint8 bytes (viewed as such); E8M0
     scales are kept as the very tensor given, which the Hopper forms kept across calls are stamped with
-    (``kernels/common/reuse.py``): a new view per call would rebuild them every time."""
+    (``jagged_attn/kernels/common/reuse.py``): a new view per call would rebuild them every time."""
     if scales.dtype == torch.uint8:
         scales = scales.view(torch.float8_e8m0fnu)
     with value_checks(False):

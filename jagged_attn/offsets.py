@@ -59,7 +59,7 @@ def value_checks(enabled: bool):
     with offsets already checked it waits after queuing its kernels, for its NaN/Inf check alone. A
     training loop over trusted data can skip them. Checks of dtypes, shapes and devices always run. Unchecked
     bad offsets give wrong rows, never an access outside the tensors (``bounded_offsets``, and
-    ``kernels/common/layout.sequence_span`` in the kernels)."""
+    ``jagged_attn/kernels/common/layout.sequence_span`` in the kernels)."""
     previous = getattr(_checks, "off", False)
     _checks.off = not enabled
     try:

@@ -1,6 +1,6 @@
 """Quantization of high-precision jagged values to :class:`~jagged_attn.mxfp8.MXFP8Jagged` (the front end).
 
-CUDA tensors go through the fused one-pass Triton kernel (``kernels/producers/quantize.py``); elsewhere
+CUDA tensors go through the fused one-pass Triton kernel (``jagged_attn/kernels/producers/quantize.py``); elsewhere
 (and for values torch.compile traces) the torch quantizers here, which are also the kernel's reference:
 bit-identical. Both read the MX rounding rule from ``mx_format`` and place the scales as
 ``mxfp8`` describes.
@@ -46,7 +46,8 @@ def quantize_mxfp8(values, offsets=None, *, axis: str = "feature", rounding: str
     ``axis="sequence"`` along each sequence's tokens (for V in O = PV). ``compile=True`` runs the
     element work through ``torch.compile`` (one fused pass, much faster on large CPU inputs,
     bit-identical; the first call compiles). CUDA tensors always go through the fused Triton kernel
-    (``kernels/producers/quantize.py``, bit-identical). Raises ValueError/TypeError on bad input before any work.
+    (``jagged_attn/kernels/producers/quantize.py``, bit-identical). Raises ValueError/TypeError on bad input
+    before any work.
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")

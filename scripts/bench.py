@@ -554,10 +554,9 @@ def plot(result, path):
 def git_version():
     """What ran: ``git describe`` of the checkout whose tracked ``jagged_attn`` was imported ("copy" where
     the imported package is not one, e.g. another version's put first on ``PYTHONPATH``) plus a digest
-    of the imported package's sources (``src:`` 12 hex digits over every ``.py`` file of ``jagged_attn``
-    and ``jagged_attn.kernels``, by path), which names the code even where a checkout's history is stale."""
+    of the imported package's sources (``src:`` 12 hex digits over every ``.py`` file of ``jagged_attn``,
+    its kernels included, by path), which names the code even where a checkout's history is stale."""
     import jagged_attn
-    import jagged_attn.kernels
 
     package = os.path.dirname(os.path.abspath(jagged_attn.__file__))
 
@@ -572,11 +571,10 @@ def git_version():
     if tracked is not None and tracked.returncode == 0:  # "-dirty": the tree differs from that commit
         described = git("describe", "--always", "--dirty").stdout.strip() or "copy"
     sources = []
-    for name, folder in (("jagged_attn", package), ("kernels", os.path.dirname(jagged_attn.kernels.__file__))):
-        for where, folders, files in os.walk(folder):
-            folders[:] = [f for f in folders if f != "__pycache__" and not (name == "jagged_attn" and f == "kernels")]
-            sources += [(os.path.join(name, os.path.relpath(os.path.join(where, f), folder)), os.path.join(where, f))
-                        for f in files if f.endswith(".py")]
+    for where, folders, files in os.walk(package):
+        folders[:] = [f for f in folders if f != "__pycache__"]
+        sources += [(os.path.join("jagged_attn", os.path.relpath(os.path.join(where, f), package)),
+                     os.path.join(where, f)) for f in files if f.endswith(".py")]
     digest = hashlib.sha256()
     for relative, path in sorted(sources):
         with open(path, "rb") as source:

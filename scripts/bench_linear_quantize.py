@@ -1,7 +1,7 @@
 """Benchmark: the Q/K/V projection with the MXFP8 epilogue against the same GEMM without it.
 
 For each projection shape (bf16 ``x [tokens, in_features]`` of a ragged batch times ``weight.T``)
-and each tile configuration of ``kernels/producers/linear_quantize.py``, times:
+and each tile configuration of ``jagged_attn/kernels/producers/linear_quantize.py``, times:
 
 * fused: the kernel storing bf16 ``y`` and its MXFP8 (data + tiled scales);
 * fused, MXFP8 only: the same without storing ``y`` (default configuration only);

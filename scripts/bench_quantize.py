@@ -1,4 +1,4 @@
-"""Benchmark: the fused jagged MXFP8 quantizer (kernels/producers/quantize.py), every launch configuration,
+"""Benchmark: the fused jagged MXFP8 quantizer (jagged_attn/kernels/producers/quantize.py), every launch configuration,
 against a device copy of the same input in the same run.
 
 Input: bf16 ``values [tokens, heads, dim]`` (2 GiB by default) in ragged sequences (fixed seed). For

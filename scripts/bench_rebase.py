@@ -1,4 +1,4 @@
-"""Benchmark: the Hopper forward's rebasing producers (kernels/producers/rebase.py) against a device copy.
+"""Benchmark: the Hopper forward's rebasing producers (jagged_attn/kernels/producers/rebase.py) against a device copy.
 
 For bf16 K and V ``[tokens, heads, dim]`` in four batches of the same token count (dense 8
 sequences, one long sequence, ragged lengths up to 4096, 256-token sequences) it times, as ``sm90.forward`` calls them:

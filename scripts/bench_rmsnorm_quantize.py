@@ -1,5 +1,5 @@
-"""Benchmark: fused RMSNorm + MXFP8 quantize (kernels/producers/rmsnorm_quantize.py), every launch configuration,
-against a device copy of the same bytes in the same run.
+"""Benchmark: fused RMSNorm + MXFP8 quantize (jagged_attn/kernels/producers/rmsnorm_quantize.py), every launch
+configuration, against a device copy of the same bytes in the same run.
 
 Input: bf16 ``x [total, H, D]`` of at least 1 GiB in ragged sequences (fixed seed). For each set of
 axes (feature, sequence, both) and each configuration of ``rmsnorm_quantize.CONFIGS`` it times the

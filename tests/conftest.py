@@ -5,16 +5,9 @@ kernel module is imported; conftest.py is imported before every test module.
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-# `python3 -m pytest` puts the checkout's root on sys.path, where its kernels/ folder (installed as
-# jagged_attn.kernels) would shadow Hugging Face's `kernels` package, which transformers imports.
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != ROOT]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

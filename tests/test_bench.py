@@ -122,8 +122,6 @@ def test_version_names_the_imported_package_not_the_checkout(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(os.path.join(root, "jagged_attn"), copy / "jagged_attn",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(os.path.join(root, "kernels"), copy / "jagged_attn" / "kernels",
-                    ignore=shutil.ignore_patterns("__pycache__"))
 
     def version(path):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.path.dirname(SCRIPT)]))

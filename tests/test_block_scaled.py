@@ -79,7 +79,7 @@ def interpreted_dot_scaled(monkeypatch):
 
 
 def signature(kernel: str, constexprs: dict) -> dict:
-    """Triton types of ``kernel``'s arguments, by naming convention of kernels/sm100/block_scaled.py."""
+    """Triton types of ``kernel``'s arguments, by naming convention of jagged_attn/kernels/sm100/block_scaled.py."""
     types = {}
     for name in getattr(block_scaled, kernel).arg_names:
         if name in constexprs:

@@ -1,4 +1,4 @@
-"""The kernels' causal bounds (``kernels/common/bounds.py``) against the reference backend's mask, the
+"""The kernels' causal bounds (``jagged_attn/kernels/common/bounds.py``) against the reference backend's mask, the
 spec's rule stated in torch on its own: every question the kernels ask of the diagonal has the answer
 the mask gives, on ragged, cross (either side longer) and empty lengths."""
 

@@ -124,7 +124,7 @@ def _kernel_case(device, dtype, lengths, heads_q, heads_kv, dim):
 
 
 def check_kernels_match_the_torch_forms(device, dtype, lengths, heads_q, heads_kv, dim):
-    """``kernels/producers/center.py`` against the torch forms of ``centering.py``: per-sequence sums and
+    """``jagged_attn/kernels/producers/center.py`` against the torch forms of ``centering.py``: per-sequence sums and
     maxima (through the per-slot partials), the shift, and its undoing on O and the LSE (rows that see
     no key included)."""
     q, k, v, offsets = _kernel_case(device, dtype, lengths, heads_q, heads_kv, dim)

@@ -1,6 +1,6 @@
-"""Tests of the MXFP8 attention backward on Hopper (``kernels/sm90/backward.py``), of its portable
-Triton twin (``kernels/portable/backward.py``) and of their producers
-(``kernels/producers/backward_passes.py``).
+"""Tests of the MXFP8 attention backward on Hopper (``jagged_attn/kernels/sm90/backward.py``), of its portable
+Triton twin (``jagged_attn/kernels/portable/backward.py``) and of their producers
+(``jagged_attn/kernels/producers/backward_passes.py``).
 
 CPU: the portable kernels in the Triton interpreter on tiny ragged shapes against
 ``reference_backward``; compile checks for sm_90 (FP8 wgmma) and sm_89 (e4m3 mma.sync). GPU

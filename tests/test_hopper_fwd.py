@@ -1,5 +1,5 @@
-"""MXFP8 forward: rebasing, the Hopper (``kernels/sm90/forward.py``) and portable
-(``kernels/portable/forward.py``) kernels against the reference, and their MMAs in the PTX.
+"""MXFP8 forward: rebasing, the Hopper (``jagged_attn/kernels/sm90/forward.py``) and portable
+(``jagged_attn/kernels/portable/forward.py``) kernels against the reference, and their MMAs in the PTX.
 
 CPU runs use the portable kernel in the Triton interpreter on tiny ragged shapes; ``gpu`` tests run
 the issue's accuracy criteria on an sm_90 GPU, with the Hopper kernel.

@@ -1,5 +1,5 @@
-"""Linear + quantize (kernels/producers/linear_quantize.py): the projection against fp64, its MXFP8 bit for bit
-against ``quantize_mxfp8`` of the same bf16 result, and wgmma in the sm_90 PTX.
+"""Linear + quantize (jagged_attn/kernels/producers/linear_quantize.py): the projection against fp64, its MXFP8 bit
+for bit against ``quantize_mxfp8`` of the same bf16 result, and wgmma in the sm_90 PTX.
 
 CPU runs use the Triton interpreter on tiny ragged batches; ``gpu`` tests use realistic shapes.
 """

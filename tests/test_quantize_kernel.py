@@ -1,4 +1,5 @@
-"""The fused jagged MXFP8 quantizer (kernels/producers/quantize.py) against the torch reference, bit for bit.
+"""The fused jagged MXFP8 quantizer (jagged_attn/kernels/producers/quantize.py) against the torch reference, bit for
+bit.
 
 CPU: Triton's interpreter on tiny ragged batches. GPU: the same on CUDA, then bandwidth against a
 device-to-device copy of the same input.
@@ -52,7 +53,7 @@ def torch_reference(values, offsets, axis, rounding):
 
 def assert_data_identical(data, expected):
     got, want = data.view(torch.uint8), expected.view(torch.uint8)
-    if INTERPRETED:  # the interpreter's e4m3 rounding may lose the sign of a zero (kernels/common/fp8.py)
+    if INTERPRETED:  # the interpreter's e4m3 rounding may lose the sign of a zero (jagged_attn/kernels/common/fp8.py)
         zero = (got & ~SIGN) == 0
         got = torch.where(zero & ((want & ~SIGN) == 0), want, got)
     mismatches = (got != want).nonzero()

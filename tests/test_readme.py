@@ -24,12 +24,12 @@ def test_readme_other_python_examples_run(index):
 
 
 def test_module_table_lists_every_kernel_module_in_its_folder():
-    """Kernel modules live in ``kernels/``'s subpackages; the README's module table has a row per
+    """Kernel modules live in ``jagged_attn/kernels/``'s subpackages; the README's module table has a row per
     subpackage naming each of its modules, and no row for a folder that is not there."""
-    kernels = README.parent / "kernels"
+    kernels = README.parent / "jagged_attn" / "kernels"
     assert [p.name for p in kernels.glob("*.py")] == ["__init__.py"]  # every kernel module in a subpackage
-    rows = dict(re.findall(r"^\| `(kernels/\w+/)` \| (.*) \|$", README.read_text(), re.M))
-    folders = {f"kernels/{p.name}/" for p in kernels.iterdir() if (p / "__init__.py").is_file()}
+    rows = dict(re.findall(r"^\| `(jagged_attn/kernels/\w+/)` \| (.*) \|$", README.read_text(), re.M))
+    folders = {f"jagged_attn/kernels/{p.name}/" for p in kernels.iterdir() if (p / "__init__.py").is_file()}
     assert set(rows) == folders
     for folder in folders:
         modules = {p.name for p in (README.parent / folder).glob("*.py")} - {"__init__.py"}

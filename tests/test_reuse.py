@@ -1,4 +1,4 @@
-"""Derived tensors kept across calls (``kernels/common/reuse.py``): reused only for the same, unwritten
+"""Derived tensors kept across calls (``jagged_attn/kernels/common/reuse.py``): reused only for the same, unwritten
 sources; rebuilt after any write torch sees; never kept for inference tensors; dropped with their source."""
 
 import gc

@@ -1,4 +1,4 @@
-"""Fused RMSNorm + MXFP8 quantize (kernels/producers/rmsnorm_quantize.py) against torch.
+"""Fused RMSNorm + MXFP8 quantize (jagged_attn/kernels/producers/rmsnorm_quantize.py) against torch.
 
 The reference composition: torch's RMSNorm in fp32, rounded to x's dtype, then
 ``jagged_attn.quantize_mxfp8``. The MXFP8 must equal the quantization of the kernel's own normalized

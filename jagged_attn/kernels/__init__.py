@@ -1,4 +1,4 @@
-"""GPU kernels (Triton and Gluon), imported as ``jagged_attn.kernels``, by architecture and role:
+"""GPU kernels (Triton and Gluon), by architecture and role:
 ``sm90`` (Hopper attention, Gluon), ``sm100`` (block-scaled attention), ``portable`` (attention in plain
 Triton: the CPU interpreter and other GPUs), ``producers`` (the operands' kernels), ``common`` (what they
 share).

@@ -21,7 +21,7 @@ The numbers, exactly:
 fp32 units in the last place (the order of the sum and rsqrt differ), i.e. within one unit in the
 last place of ``x``'s dtype.
 
-The work split, the slot table and the MX store path are those of ``kernels/producers/quantize.py``: one
+The work split, the slot table and the MX store path are those of ``jagged_attn/kernels/producers/quantize.py``: one
 program per head of one 128-token tile of one sequence, all D channels (a row's statistic needs
 every channel of its token), laid out by a ``quantize.TileConfig`` whose ``channels`` is None.
 With 4 warps each warp holds one 32-token block of all D channels, so the rstd sum (over the

@@ -8,7 +8,7 @@ batch and, in the same kernel, quantizes ``y`` along each head's D channels into
 Rounding contract (what makes the result bit-exact): the fp32 accumulator plus the fp32 bias is
 rounded once to bf16 (round to nearest even) giving ``y``; the MXFP8 result is then exactly
 ``quantize_mxfp8(y.view(total, heads, D), offsets, rounding=rounding)``: the kernel quantizes the
-bf16 values it stores, by ``kernels/producers/quantize.py``'s block rule. ``y`` itself matches
+bf16 values it stores, by ``jagged_attn/kernels/producers/quantize.py``'s block rule. ``y`` itself matches
 ``x @ weight.T + bias`` up to the order of the fp32 accumulation.
 
 The attention output ``[total, Hq, D]`` bf16 is already the out projection's operand
