@@ -11,8 +11,9 @@ On a workload set of ``bench.py`` (``--set``: the design set unless named; head_
   ``|dQ|``, ``|dK|``, ``|dV|`` so that two versions' outputs can be compared.
 
 To compare two versions side by side, run it twice in one device call, the second time on the other
-version's package (``git archive`` of its ``jagged_attn`` and ``kernels``, the latter copied to
-``jagged_attn/kernels``) with ``PYTHONPATH=<that folder>:scripts python3 -P scripts/bench_bwd_kernel.py``
+version's package (``git archive`` of its ``jagged_attn``; before the kernels moved into the package, its
+``kernels`` too, copied to ``jagged_attn/kernels``) with
+``PYTHONPATH=<that folder>:scripts python3 -P scripts/bench_bwd_kernel.py``
 (``-P``: not this checkout's package from the working directory).
 """
 

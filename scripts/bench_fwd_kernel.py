@@ -6,8 +6,9 @@ launch with the tile configuration of ``sm90.forward.tile_config``, optionally o
 and of the finite LSE so that two versions' outputs can be compared.
 
 To compare two versions side by side, run it twice in one device call, the second time on the other
-version's package (``git archive`` of its ``jagged_attn`` and ``kernels``, the latter copied to
-``jagged_attn/kernels``) with ``PYTHONPATH=<that folder>:scripts python3 -P scripts/bench_fwd_kernel.py``
+version's package (``git archive`` of its ``jagged_attn``; before the kernels moved into the package, its
+``kernels`` too, copied to ``jagged_attn/kernels``) with
+``PYTHONPATH=<that folder>:scripts python3 -P scripts/bench_fwd_kernel.py``
 (``-P``: not this checkout's package from the working directory).
 """
 

@@ -467,16 +467,19 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, longest, heads, dim", [(100_000, 21, 2, 64), (20_000, 109, 16, 128)])
-def test_gpu_large_batches(batch, longest, heads, dim):
+@pytest.mark.parametrize("batch, longest, heads, dim, past_int32",
+                         [(100_000, 21, 2, 64, False), (8_000, 273, 16, 128, True)])
+def test_gpu_large_batches(batch, longest, heads, dim, past_int32):
     """100,000 sequences; and ~1.1M tokens x 16 heads x 128, whose element offsets pass 2^31. Forward
     and backward through the public API (backend "auto" = hopper on Hopper) on the whole batch,
     checked against the reference backend on the first and last 40 sequences (attention is per
-    sequence). (Sizes bound the transposed copies, which pad every sequence to 128 tokens.)"""
+    sequence). The transposed copies pad every sequence to whole 128-token slots, so the large batch has
+    sequences of ~137 tokens on average (20,000 of ~55 needed more than an H100's 80 GB)."""
     lengths = torch.randint(1, longest + 1, (batch,))
     lengths[-1] = 700  # one long sequence at the far end
     offsets = offsets_from_lengths(lengths).cuda()
     total = int(offsets[-1])
+    assert (total * heads * dim >= 2**31) == past_int32
     q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     leaves = [x.requires_grad_(True) for x in (q, k, v)]

@@ -66,8 +66,8 @@ def test_probe_runs_on_cpu(tmp_path):
     reports = operand_probe.main([
         "--attn", "reference", "--compare", "reference", "--checkpoints", "1", "--quick", "--probe-tokens", "400",
         "--dim", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "64",
-        "--batch-tokens", "600", "--max-files", "20", "--steps", "2", "--device", "cpu", "--qk-norm",
-        "--bias-batches", "2", "--out", str(tmp_path)])
+        "--batch-tokens", "600", "--max-doc", "300", "--max-files", "20", "--steps", "2", "--device", "cpu",
+        "--qk-norm", "--bias-batches", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "probe.json").read_text())
     layer = saved["1"]["layers"][0]
     assert set(layer["errors"]) == set(reports[1]["layers"][0]["errors"]) and len(layer["errors"]) == 9

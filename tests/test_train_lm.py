@@ -236,7 +236,7 @@ def test_bar_runs_go_seed_by_seed_and_name_one_folder_each(tmp_path):
 
 def test_train_bar_runs_each_seed_with_and_without_qk_norm_and_summarizes_them(tmp_path, capsys):
     tiny = ["--steps", "2", "--layers", "1", "--dim", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-            "--batch-tokens", "1024", "--max-files", "60", "--val-batches", "1"]
+            "--batch-tokens", "1024", "--max-doc", "256", "--max-files", "60", "--val-batches", "1"]
     code = train_bar.main(["--attn", "reference", "--seeds", "5", "--parallel", "2", "--out", str(tmp_path), "--",
                            *tiny])
     assert code == 0
