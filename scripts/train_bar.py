@@ -1,8 +1,9 @@
-"""The training bar's runs: ``train_lm.py`` for every seed, without and with QK-norm, and every attention,
-each in a process of its own, ``--parallel`` at a time, then the ``--summarize`` table of all of them.
+"""The training bar's runs: ``train_lm.py`` for every seed, without and with QK-norm (``--qk-norm off`` or
+``on``: one of the two), and every attention, each in a process of its own, ``--parallel`` at a time, then
+the ``--summarize`` table of all of them.
 
     python3 scripts/train_bar.py --attn hopper varlen --seeds 0 1 2 --parallel 3 --out OUT [--budget S] \\
-        [-- TRAIN_LM_ARGS]
+        [--qk-norm both|off|on] [-- TRAIN_LM_ARGS]
 
 Run ``(seed, qk, attn)`` writes ``OUT/<no-qk|qk>-seed<seed>-<attn>/train_lm.json`` and its log beside the
 folder (``.log``; a hybrid's ``/`` and ``:`` become ``_`` there). The runs are ordered seed by seed, so that
@@ -32,12 +33,17 @@ class Run(NamedTuple):
     log: str
 
 
-def bar_runs(attns, seeds, out, extra=()) -> list[Run]:
-    """The ``train_lm.py`` runs of the bar: per seed, without then with QK-norm, each attention (a hybrid's
-    ``/`` and ``:`` become ``_`` in its run's name, which names a folder)."""
+# --qk-norm: the QK-norm settings each seed runs with, in order
+QK_NORM = {"both": (False, True), "off": (False,), "on": (True,)}
+
+
+def bar_runs(attns, seeds, out, extra=(), qk_norm="both") -> list[Run]:
+    """The ``train_lm.py`` runs of the bar: per seed, without then with QK-norm (``qk_norm``: a key of
+    ``QK_NORM``), each attention (a hybrid's ``/`` and ``:`` become ``_`` in its run's name, which names a
+    folder)."""
     runs = []
     for seed in seeds:
-        for qk in (False, True):
+        for qk in QK_NORM[qk_norm]:
             for attn in attns:
                 name = f"{'qk' if qk else 'no-qk'}-seed{seed}-{attn.replace('/', '_').replace(':', '_')}"
                 argv = [sys.executable, TRAIN_LM, "--attn", attn, "--seed", str(seed),
@@ -84,12 +90,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (each holds its own model)")
     parser.add_argument("--budget", type=float, help="seconds after which no run starts")
+    parser.add_argument("--qk-norm", choices=sorted(QK_NORM), default="both",
+                        help="run each seed without QK-norm, with it, or both (default)")
     parser.add_argument("--out", default="train_bar_out")
     parser.add_argument("train_lm_args", nargs=argparse.REMAINDER, help="after --: passed to every train_lm.py run")
     args = parser.parse_args(argv)
     extra = args.train_lm_args[1:] if args.train_lm_args[:1] == ["--"] else args.train_lm_args
     os.makedirs(args.out, exist_ok=True)
-    runs = bar_runs(args.attn, args.seeds, args.out, extra)
+    runs = bar_runs(args.attn, args.seeds, args.out, extra, args.qk_norm)
     codes = run_all(runs, args.parallel, args.budget)
     finished = [os.path.join(args.out, run.name, "train_lm.json") for run in runs if codes[run.name] == 0]
     if finished:

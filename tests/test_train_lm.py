@@ -232,6 +232,11 @@ def test_bar_runs_go_seed_by_seed_and_name_one_folder_each(tmp_path):
     argv = runs[3].argv
     assert argv[argv.index("--attn") + 1] == "varlen/hopper:q" and "--qk-norm" in argv and argv[-2:] == ["--steps", "7"]
     assert argv[argv.index("--out") + 1] == str(tmp_path / "qk-seed3-varlen_hopper_q")
+    only_qk = train_bar.bar_runs(["hopper"], [3, 4], str(tmp_path), qk_norm="on")
+    assert [run.name for run in only_qk] == ["qk-seed3-hopper", "qk-seed4-hopper"]
+    assert all("--qk-norm" in run.argv for run in only_qk)
+    without = train_bar.bar_runs(["hopper"], [3], str(tmp_path), qk_norm="off")
+    assert [run.name for run in without] == ["no-qk-seed3-hopper"] and "--qk-norm" not in without[0].argv
 
 
 def test_train_bar_runs_each_seed_with_and_without_qk_norm_and_summarizes_them(tmp_path, capsys):
