@@ -19,7 +19,9 @@ for each other (an earlier form coupled them through the per-step dS exchange, e
 
 FP8 wgmma accumulates with truncated alignment: each add loses low bits towards zero against the
 running sum, so a sum chained over many small steps comes out biased small. dK's FP8 wgmma therefore
-starts from a zero accumulator each step and is added in fp32. dV's wgmma is fp16 on P^T's e4m3
+starts from a zero accumulator each step and is added in fp32 (chained in an fp16 wgmma instead, as dV
+is, and waited for with dV's, it saved a wait but its doubled tensor time on the consumers' chain made
+the kernel slower: docs/perf-history.md v63). dV's wgmma is fp16 on P^T's e4m3
 values and an fp16 copy of dO^T's (both exact in fp16; the producer writes dO^T so), whose fp32
 accumulation chains over the steps without that bias: the chained FP8 dV had shrunk the dV of keys that
 many queries see (3-5e-4 of its least-squares factor at 4k keys of flat attention), which rel-L2 does
