@@ -20,8 +20,8 @@ from hypothesis import given, settings, strategies as st
 
 from jagged_attn.kernels.common import layout
 from jagged_attn.kernels.portable import backward as portable_backward
-from jagged_attn.kernels.producers import backward_passes
-from jagged_attn.kernels.sm90 import backward as sm90_backward
+from jagged_attn.kernels.producers import backward_passes, rebase
+from jagged_attn.kernels.sm90 import backward as sm90_backward, forward as sm90_forward
 from jagged_attn import mx_format
 from jagged_attn.metrics import least_squares_factor
 from jagged_attn.mx_format import descale_factors, quantize_with_factors, scale_bytes, scale_factors
@@ -1137,3 +1137,40 @@ def test_gpu_preprocessing_bandwidth():
     # each slot in chunks of 64 tokens, docs/perf-history.md v14);
     # the bar sits below it by the spread between runs, to catch a regression such as spills.
     assert produce_bandwidth >= 0.6 * copy_bandwidth
+
+
+@pytest.mark.parametrize("key_order, value_group", [(layout.DS_ORDER, sm90_backward.KEYS_PER_CONSUMER.value),
+                                                    (layout.NATURAL_ORDER, 1)])
+def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_group):
+    """``quantize_rebase_kv_for_backward``: from one read of K and V, the forward's operands (the bytes of
+    ``quantize_rebase_kv``) and the backward's copies of K and V, the bytes ``quantize_for_backward`` makes
+    (K's feature copy and K^T in ``key_order``, V's feature copy on one scale per ``value_group`` tokens) on
+    ragged lengths around the tiles, GQA heads, heavy-tailed tokens."""
+    lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
+    _, k, v, _, _, offsets = make_inputs([1] * len(lengths), lengths, 4, 2, 64, kind="heavy")
+    k[5] *= 2.0**12  # one token far above its tile's others
+    nonfinite = torch.zeros(2)
+    block_n = sm90_forward.tile_config(64)["BLOCK_N"]
+    operands, (k_copy, v_copy) = rebase.quantize_rebase_kv_for_backward(
+        k, v, offsets, block_n, layout.PV_ORDER, key_order, value_group, nonfinite=nonfinite)
+    expected = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER)
+    written = [(padded_seq_start(int(offsets[b]), b) + t * block_n) // block_n  # K's factors: one per key tile
+               for b, length in enumerate(lengths) for t in range(math.ceil(length / block_n))]
+    (k_data, k_factor, vt, v_exponent), (k_data_want, k_factor_want, vt_want, v_exponent_want) = operands, expected
+    assert torch.equal(k_data.view(torch.uint8), k_data_want.view(torch.uint8))
+    assert torch.equal(k_factor[:, written], k_factor_want[:, written])
+    # The transposed copies' written columns: each sequence's whole slots (an empty one has none).
+    slots = [padded_seq_start(int(offsets[b]), b) + i for b, length in enumerate(lengths)
+             for i in range(math.ceil(length / block_n) * block_n)]
+    assert torch.equal(vt[..., slots].view(torch.uint8), vt_want[..., slots].view(torch.uint8))
+    assert torch.equal(v_exponent, v_exponent_want)
+    assert torch.equal(nonfinite, torch.zeros(2))
+    k_want, _, _ = backward_passes.quantize_for_backward(k, offsets, feature=True, sequence=True,
+                                                         normalize_tokens=True, order=key_order)
+    v_want, _, _ = backward_passes.quantize_for_backward(v, offsets, feature=True, sequence=False,
+                                                         feature_group=value_group)
+    assert torch.equal(k_copy.feature.view(torch.uint8), k_want.feature.view(torch.uint8))
+    assert torch.equal(k_copy.feature_scale, k_want.feature_scale)
+    assert torch.equal(k_copy.sequence[..., slots].view(torch.uint8), k_want.sequence[..., slots].view(torch.uint8))
+    assert torch.equal(v_copy.feature.view(torch.uint8), v_want.feature.view(torch.uint8))
+    assert torch.equal(v_copy.feature_scale, v_want.feature_scale)

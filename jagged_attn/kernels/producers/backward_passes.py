@@ -127,6 +127,16 @@ def _token_scale_byte(x):
 
 
 @triton.jit
+def token_normalized_copies(x, INTERPRET: tl.constexpr):
+    """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale: (the
+    scale bytes ``[rows]``, the feature copy's e4m3 values, the same values paired for the transposed
+    copy's store). The forward's K pass writes them too (``rebase.quantize_rebase_kv_for_backward``)."""
+    token_byte = _token_scale_byte(x)
+    normalized = x * scale_factor(token_byte)[:, None]
+    return token_byte, fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
+
+
+@triton.jit
 def _sequence_amax_kernel(
     x_ptr, offsets_ptr, tiles_ptr, amax_ptr, total, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
@@ -221,7 +231,7 @@ def _quantize_kernel(
                 tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, row_factor, 0.0))
         if SEQUENCE:  # the whole slot, zeros past the end
             if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
-                data = fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
+                _, _, data = token_normalized_copies(x, INTERPRET)
             else:
                 data = fp8.to_e4m3(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,
@@ -262,7 +272,7 @@ def check_inputs(dout, q, k, v, out, lse, dlse, head_dims) -> None:
             raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
 
 
-class _Quantized:
+class Quantized:
     """What the producer wrote for one tensor (unrequested fields stay None): ``token_scale`` is each
     token's own head_dim scale (what a normalized sequence copy was divided by), ``feature_scale``
     itself unless tokens share one."""
@@ -303,7 +313,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
     f32 = dict(dtype=torch.float32, device=x.device)
-    result = _Quantized()
+    result = Quantized()
     with_delta = out is not None
     delta = torch.empty(heads, total, **f32) if with_delta else None
     lse2 = torch.empty(heads, total, **f32) if with_delta else None
@@ -364,13 +374,15 @@ class Prepared:
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
                  key_order=NATURAL_ORDER, do_order=None, do_sequence_dtype=torch.float8_e4m3fn, exact_scores=False,
-                 row_vectors=False, query_scale_tokens=1, value_scale_tokens=1, dlse=None):
+                 row_vectors=False, query_scale_tokens=1, value_scale_tokens=1, dlse=None, kv=None):
         """``query_order``: token order of Q^T and of dO^T unless ``do_order`` is given, ``key_order``: of
         K^T (``layout`` orders); ``do_sequence_dtype``: dO^T's (e4m3, or fp16 holding its e4m3 values);
         ``row_vectors``: also the Hopper kernel's per-query vectors in padded slots (``self.rows``);
         ``query_scale_tokens``, ``value_scale_tokens``: tokens sharing a scale in Q's and V's e4m3 feature copies
         (``quantize_for_backward``'s ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the
-        LSE's gradient, taken into Delta (None: none)."""
+        LSE's gradient, taken into Delta (None: none); ``kv``: K's and V's copies (``Quantized``) as this
+        preparation makes them, written beforehand by the forward's passes
+        (``rebase.quantize_rebase_kv_for_backward``), or None."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
@@ -397,11 +409,15 @@ class Prepared:
                                              order=query_order, feature_dtype=score_dtype,
                                              feature_group=self.query_scale_tokens, tiles=self.tiles_q,
                                              rows=self.rows)
-        self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
-                                             order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
         self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
-        self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False, feature_dtype=score_dtype,
-                                             feature_group=self.value_scale_tokens, tiles=self.tiles_k)
+        if kv is not None:
+            self.k, self.v = kv
+        else:
+            self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
+                                                 order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+            self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False,
+                                                 feature_dtype=score_dtype, feature_group=self.value_scale_tokens,
+                                                 tiles=self.tiles_k)
         self.do, self.delta, self.lse2 = quantize_for_backward(
             dout, offsets_q, feature=True, sequence=True, group=group, out=out, lse=lse, dlse=dlse, order=self.do_order,
             feature_dtype=score_dtype, sequence_dtype=do_sequence_dtype, tiles=self.tiles_q, rows=self.rows,

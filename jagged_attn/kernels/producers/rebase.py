@@ -44,6 +44,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from ..common import fp8, layout, reuse
+from .backward_passes import Quantized, token_normalized_copies
 from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
@@ -156,15 +157,19 @@ def dequantized_feature_rows(
 @triton.jit
 def _rebase_feature_kernel(
     src, scales, offsets, total, work, dst, factor, nonfinite, n_groups, scale_bytes_per_head, n_col_tiles,
+    copy_feature, copy_scale, copy_sequence, padded,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, CHECK_FINITE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    COPIES: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (BLOCK_T-token tile, head), CHUNK tokens at a time. A chunk holds whole exponent groups,
     or (from high-precision values) GROUP is the whole tile: its byte then comes from a first read of
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
-    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``."""
+    CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``.
+    COPIES (high-precision values): also the backward's two copies of K (``token_normalized_copies``): e4m3
+    ``copy_feature [total, H, D]`` with each token's scale in ``copy_scale [H, total]``, and the transposed
+    ``copy_sequence [H, D, padded]``, its tokens in ORDER, the whole slot (zeros past the end)."""
     seq, tile, start, length, _, head = claimed_tile(work, offsets, total, BLOCK_T, HEADS)
     if seq < 0:
         return
@@ -203,6 +208,16 @@ def _rebase_feature_kernel(
             tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
+        if COPIES:  # the chunk read again (from L1/L2, just read)
+            tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
+            x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
+            token_byte, feature, paired = token_normalized_copies(x, INTERPRET)
+            tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
+                     feature.to(copy_feature.dtype.element_ty), mask=(rows < length)[:, None])
+            tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(token_byte),
+                     mask=rows < length)
+            layout.store_sequence_copy(copy_sequence, paired.to(copy_sequence.dtype.element_ty), head,
+                                       tl.arange(0, D), start, seq, rows, padded, D, ORDER)
         if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
             largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
                                                                         length, HEADS, D), INTERPRET),
@@ -261,18 +276,29 @@ def _claimed_chunk(work, offsets, total, exponent, batch, HEADS: tl.constexpr, B
 @triton.jit
 def _sequence_exponent_kernel(
     src, scales, offsets, total, work, exponent, nonfinite, batch, scale_bytes_per_head, n_col_tiles,
+    group_byte, n_value_groups,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr, INTERPRET: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, CHECK_FINITE: tl.constexpr, COPIES: tl.constexpr,
+    VALUE_GROUP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Fold the largest block byte of each channel of this program's tile into ``exponent[head, seq, :]``
     (int32, zero-initialized; the byte of the tile's maximum is the largest block byte, the rule being monotone).
-    CHECK_FINITE (high-precision values): a non-finite channel maximum flagged in ``nonfinite``."""
+    CHECK_FINITE (high-precision values): a non-finite channel maximum flagged in ``nonfinite``. COPIES
+    (high-precision values): also the head_dim-axis scale byte of each VALUE_GROUP tokens from the sequence's
+    start (the backward's feature copy of V), folded over the channel chunks into ``group_byte [H,
+    n_value_groups]`` (int32, zero-initialized) at the group's padded row / VALUE_GROUP."""
     seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, total, exponent, batch,
                                                                              HEADS, BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
     if FROM_HIGH_PRECISION:
-        amax = max_keeping_nan(tl.abs(_load_rows(src, head, start, rows, channels, length, HEADS, D)), 0, INTERPRET)
+        magnitudes = tl.abs(_load_rows(src, head, start, rows, channels, length, HEADS, D))
+        amax = max_keeping_nan(magnitudes, 0, INTERPRET)
+        if COPIES:
+            groups = tl.max(tl.reshape(tl.max(magnitudes, axis=1), (BLOCK_T // VALUE_GROUP, VALUE_GROUP)), axis=1)
+            first_group = (layout.padded_seq_start(start, seq) + tile * BLOCK_T) // VALUE_GROUP
+            layout.fold_max(group_byte + head.to(tl.int64) * n_value_groups + first_group
+                            + tl.arange(0, BLOCK_T // VALUE_GROUP), layout.scale_byte_of_amax(groups, False))
         if CHECK_FINITE:
             flag_nonfinite(nonfinite, amax)
         largest = layout.scale_byte_of_amax(amax, FLOOR)
@@ -285,14 +311,29 @@ def _sequence_exponent_kernel(
 @triton.jit
 def _rebase_sequence_kernel(
     src, scales, offsets, total, work, exponent, dst, batch, t_pad, scale_bytes_per_head, n_col_tiles,
+    group_byte, n_value_groups, copy_feature, copy_scale,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
+    FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, ORDER: tl.constexpr, COPIES: tl.constexpr,
+    VALUE_GROUP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """V rebased onto its (sequence, channel) exponents and stored transposed. COPIES (high-precision values):
+    also the backward's feature copy of V, e4m3 ``copy_feature [total, H, D]`` on the VALUE_GROUP-token scales of
+    :func:`_sequence_exponent_kernel`'s ``group_byte``, each token's in ``copy_scale [H, total]``."""
     seq, tile, start, length, rows, head, channels, entries = _claimed_chunk(work, offsets, total, exponent, batch,
                                                                              HEADS, BLOCK_T, D, BLOCK_D)
     if seq < 0:
         return
     x = _load_rows(src, head, start, rows, channels, length, HEADS, D)
+    if COPIES:
+        tl.static_assert(FROM_HIGH_PRECISION)
+        row_byte = tl.load(group_byte + head.to(tl.int64) * n_value_groups
+                           + (layout.padded_seq_start(start, seq) + rows) // VALUE_GROUP)
+        feature = fp8.to_e4m3(x * layout.scale_factor(row_byte)[:, None], INTERPRET)
+        in_seq = rows < length
+        tl.store(copy_feature + _row_elements(head, start, rows, channels, HEADS, D),
+                 feature.to(copy_feature.dtype.element_ty), mask=in_seq[:, None])
+        tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(row_byte),
+                 mask=in_seq & (tl.min(channels, axis=0) == 0))  # by the programs of the first channel chunk
     if FROM_HIGH_PRECISION:
         x = tl.reshape(x, (BLOCK_T // 32, 32, BLOCK_D))  # each channel's 32-token blocks
         byte, _ = block_scale_bytes(x, (1,), FLOOR, INTERPRET)
@@ -315,7 +356,10 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
     return mx.scales.view(torch.uint8), mx.scales.shape[1], col_tiles
 
 
-def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite=None):
+def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite=None, copies=None,
+                    order=layout.NATURAL_ORDER):
+    """``copies``: a :class:`Quantized` with K's backward copies allocated (feature, feature_scale, sequence),
+    written in the same pass, the transposed one's tokens in ``order``; None: none."""
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
@@ -326,11 +370,15 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite
     scales, per_head, col_tiles = scale_args(mx, "feature", total, offsets.numel() - 1, dim, values.device)
     chunk = FEATURE_CHUNK if mx is None else TOKENS_PER_PROGRAM  # from MXFP8: whole slots
     if work.shape[0]:
+        unused = factor  # any tensor: Triton needs a pointer for outputs a launch does not write
         _rebase_feature_kernel[(work.shape[0] * heads,)](
             values, scales, offsets, total, work, data, factor, factor if nonfinite is None else nonfinite, n_groups,
-            per_head, col_tiles, HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk, GROUP=group,
-            FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
-            CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
+            per_head, col_tiles, *((unused,) * 3 if copies is None else (copies.feature, copies.feature_scale,
+                                                                          copies.sequence)),
+            padded_total(total, offsets.numel() - 1), HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk,
+            GROUP=group, FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
+            CHECK_FINITE=nonfinite is not None, COPIES=copies is not None, ORDER=order,
+            INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
         )
     return data, factor
 
@@ -340,7 +388,10 @@ def _fitted(config: dict, dim: int) -> dict:
     return config if dim % config["BLOCK_D"] == 0 else dict(config, BLOCK_D=dim)
 
 
-def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER, nonfinite=None):
+def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_ORDER, nonfinite=None, copies=None,
+                     value_group=1):
+    """``copies``: a :class:`Quantized` with V's backward feature copy allocated (feature, feature_scale),
+    written by the same passes on one scale per ``value_group`` tokens from each sequence's start; None: none."""
     total, heads, dim = values.shape
     batch = offsets.numel() - 1
     t_pad = padded_total(total, batch)
@@ -352,14 +403,21 @@ def _rebase_sequence(values, offsets, mx, rounding, work, order=layout.NATURAL_O
     if work.shape[0]:
         kind = "values" if mx is None else "mxfp8"
         exponent_config, config = (_fitted(configs[kind], dim) for configs in (EXPONENT_CONFIGS, SEQUENCE_CONFIGS))
+        if copies is not None and t_pad % value_group:
+            raise ValueError(f"tokens sharing V's scale must divide {TOKENS_PER_PROGRAM}, got {value_group}")
+        groups = t_pad // value_group
+        group_byte = exponent if copies is None else torch.zeros(heads, groups, dtype=torch.int32,
+                                                                 device=values.device)
+        copy_outputs = (exponent, exponent) if copies is None else (copies.feature, copies.feature_scale)
+        common.update(COPIES=copies is not None, VALUE_GROUP=value_group, INTERPRET=fp8.INTERPRETED)
         _sequence_exponent_kernel[(work.shape[0] * heads * (dim // exponent_config["BLOCK_D"]),)](
             values, scales, offsets, total, work, exponent, exponent if nonfinite is None else nonfinite, batch,
-            per_head, col_tiles, CHECK_FINITE=nonfinite is not None, INTERPRET=fp8.INTERPRETED, **common,
+            per_head, col_tiles, group_byte, groups, CHECK_FINITE=nonfinite is not None, **common,
             **exponent_config,
         )
         _rebase_sequence_kernel[(work.shape[0] * heads * (dim // config["BLOCK_D"]),)](
             values, scales, offsets, total, work, exponent, transposed, batch, t_pad, per_head, col_tiles,
-            ORDER=order, INTERPRET=fp8.INTERPRETED, **common, **config,
+            group_byte, groups, *copy_outputs, ORDER=order, **common, **config,
         )
     return transposed, exponent
 
@@ -419,6 +477,29 @@ def kept_rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = Fal
     """:func:`rebase_kv`, built once while ``k``'s and ``v``'s tensors live unwritten (``reuse.derived``)."""
     return reuse.derived(_sources(k, v), ("kv", group, exact, int(v_order)),
                          lambda: rebase_kv(k, v, group, exact, v_order))
+
+
+def quantize_rebase_kv_for_backward(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int,
+                                    v_order: int, key_order: int, value_group: int,
+                                    nonfinite: torch.Tensor | None = None):
+    """:func:`quantize_rebase_kv`'s operands (e4m3, not exact) and, from the same reads of K and V, the
+    backward's copies of them (``backward_passes.Prepared``'s ``k`` and ``v``, as ``quantize_for_backward``
+    makes them): K's e4m3 feature copy and K^T (tokens in ``key_order``), each token over its own scale;
+    V's e4m3 feature copy on one scale per ``value_group`` tokens. Returns (operands, (k copies, v copies))."""
+    total, heads, dim = k.shape
+    padded = padded_total(total, offsets.numel() - 1)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    k_copies = Quantized(feature=torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=k.device),
+                         feature_scale=torch.empty(heads, total, **f32),
+                         sequence=torch.empty(heads, dim, padded, dtype=torch.float8_e4m3fn, device=k.device))
+    k_copies.token_scale = k_copies.feature_scale
+    v_copies = Quantized(feature=torch.empty(v.shape, dtype=torch.float8_e4m3fn, device=v.device),
+                         feature_scale=torch.empty(v.shape[1], total, **f32))
+    work = slot_tiles(offsets, total)
+    k_flag, v_flag = (None, None) if nonfinite is None else (nonfinite[:1], nonfinite[1:])
+    operands = (*_rebase_feature(k, offsets, None, "rceil", group, False, work, k_flag, k_copies, key_order),
+                *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
+    return operands, (k_copies, v_copies)
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
