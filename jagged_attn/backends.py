@@ -4,10 +4,12 @@ Every backend offers the same three entry points:
 
 * ``forward_mx(q, k, v, causal, softmax_scale, out_dtype) -> (out, lse)`` on ``MXFP8Jagged`` inputs
   (q, k on the feature axis, v on the sequence axis, or on the feature axis = per-token scales);
-* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite) -> (out, lse)``
-  on bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's dtype; with
-  ``check_finite`` raises ValueError for NaN/Inf in q, k or v, read once its kernels are queued: the
-  Hopper kernels flag NaN/Inf in their own pass over the inputs);
+* ``forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite, for_backward)
+  -> (out, lse)`` on bf16 / fp16 / fp32 tensors (quantizes them first, V along ``v_axis``; out in q's
+  dtype; with ``check_finite`` raises ValueError for NaN/Inf in q, k or v, read once its kernels are
+  queued: the Hopper kernels flag NaN/Inf in their own pass over the inputs; with ``for_backward``, a
+  backward on these inputs is to come: the kernel backends' passes over K and V then also write the
+  backward's copies of them, kept for it);
 * ``backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic, dlse=None)
   -> (dq, dk, dv)`` on the high-precision tensors saved by the forward; ``dlse`` (fp32 ``[total_q, Hq]``,
   zero where the LSE is -inf) is the gradient of the LSE, None where it has none.
@@ -87,7 +89,7 @@ def _with_finite_check(check_finite, q, k, v, forward):
     return checked_after(largest_magnitudes((q, k, v)) if check_finite else None, ("q", "k", "v"), forward)
 
 
-def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite):
+def _reference_forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite, for_backward):
     def forward():
         mx = _quantize_inputs(q, k, v, offsets_q, offsets_k, v_axis)
         return _reference_forward_mx(*mx, causal, softmax_scale, q.dtype)
@@ -127,13 +129,13 @@ def _kernel_backend(name: str, fwd, bwd, options: dict, backward: Callable | Non
             return fwd.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
                                          **options)
 
-    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite):
+    def forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite, for_backward):
         if not hasattr(fwd, "attention_forward_hp"):
             return _with_finite_check(check_finite, q, k, v, lambda: forward_mx(
                 *_quantize_inputs(q, k, v, offsets_q, offsets_k), causal, softmax_scale, q.dtype))
         with on_device_of(q):
             return fwd.attention_forward_hp(q, k, v, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
-                                            check_finite=check_finite, **options)
+                                            check_finite=check_finite, for_backward=for_backward, **options)
 
     def module_backward(dout, q, k, v, out, lse, offsets_q, offsets_k, causal, softmax_scale, deterministic,
                         dlse=None):

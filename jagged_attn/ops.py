@@ -28,7 +28,12 @@ def attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``deterministic`` only matters to the backward (bit-identical gradients run to run); with
     ``check_finite`` NaN/Inf in q, k or v raise ValueError (the backend reads them with its kernels)."""
-    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite)
+    # Whether a backward is to come: inside the op autograd is off, but inputs made with it keep requires_grad
+    # (inputs that require a gradient under no_grad make the passes write copies no backward takes; they
+    # are freed with k).
+    for_backward = any(t.requires_grad for t in (q, k, v))
+    return get_backend(backend).forward_hp(q, k, v, offsets_q, offsets_k, causal, softmax_scale, v_axis, check_finite,
+                                           for_backward)
 
 
 @attention_op.register_fake

@@ -1139,17 +1139,19 @@ def test_gpu_preprocessing_bandwidth():
     assert produce_bandwidth >= 0.6 * copy_bandwidth
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("key_order, value_group", [(layout.DS_ORDER, sm90_backward.KEYS_PER_CONSUMER.value),
                                                     (layout.NATURAL_ORDER, 1)])
-def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_group):
+def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_group, device):
     """``quantize_rebase_kv_for_backward``: from one read of K and V, the forward's operands (the bytes of
     ``quantize_rebase_kv``) and the backward's copies of K and V, the bytes ``quantize_for_backward`` makes
     (K's feature copy and K^T in ``key_order``, V's feature copy on one scale per ``value_group`` tokens) on
-    ragged lengths around the tiles, GQA heads, heavy-tailed tokens."""
+    ragged lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for the GPU, as interpreted."""
     lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
-    _, k, v, _, _, offsets = make_inputs([1] * len(lengths), lengths, 4, 2, 64, kind="heavy")
+    _, k, v, _, _, offsets = make_inputs([1] * len(lengths), lengths, 4, 2, 64, kind="heavy", device=device,
+                                         dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     k[5] *= 2.0**12  # one token far above its tile's others
-    nonfinite = torch.zeros(2)
+    nonfinite = torch.zeros(2, device=device)
     block_n = sm90_forward.tile_config(64)["BLOCK_N"]
     operands, (k_copy, v_copy) = rebase.quantize_rebase_kv_for_backward(
         k, v, offsets, block_n, layout.PV_ORDER, key_order, value_group, nonfinite=nonfinite)
@@ -1164,7 +1166,7 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
              for i in range(math.ceil(length / block_n) * block_n)]
     assert torch.equal(vt[..., slots].view(torch.uint8), vt_want[..., slots].view(torch.uint8))
     assert torch.equal(v_exponent, v_exponent_want)
-    assert torch.equal(nonfinite, torch.zeros(2))
+    assert not nonfinite.any()
     k_want, _, _ = backward_passes.quantize_for_backward(k, offsets, feature=True, sequence=True,
                                                          normalize_tokens=True, order=key_order)
     v_want, _, _ = backward_passes.quantize_for_backward(v, offsets, feature=True, sequence=False,
@@ -1174,3 +1176,32 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     assert torch.equal(k_copy.sequence[..., slots].view(torch.uint8), k_want.sequence[..., slots].view(torch.uint8))
     assert torch.equal(v_copy.feature.view(torch.uint8), v_want.feature.view(torch.uint8))
     assert torch.equal(v_copy.feature_scale, v_want.feature_scale)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_takes_the_copies_the_forward_kept(monkeypatch, causal):
+    """Through the public call with a gradient to come (backend ``portable`` in the CPU interpreter; the
+    Hopper backend keeps and takes them the same way): the forward's K and V passes keep the backward's
+    copies, the backward takes them, and its gradients are bit-identical to those of a backward that
+    quantizes K and V itself; without a gradient to come the forward keeps nothing."""
+    import jagged_attn as ja
+
+    taken = []
+    real_take = portable_backward.take_backward_copies
+    monkeypatch.setattr(portable_backward, "take_backward_copies",
+                        lambda *args: taken.append(real_take(*args)) or taken[-1])
+    q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 0, 70], [40, 5, 129], 4, 2, 64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ja.jagged_attention(*leaves, offsets_q, offsets_k, causal=causal, backend="portable", return_lse=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert len(taken) == 1 and taken[0] is not None
+    own = portable_backward.attention_backward(dout, q, k, v, out.detach(), lse.detach(), offsets_q, offsets_k,
+                                               causal=causal, softmax_scale=64**-0.5)
+    assert len(taken) == 2 and taken[1] is None  # the kept copies were taken once
+    for got, want in zip(grads, own):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        ja.jagged_attention(q, k, v, offsets_q, offsets_k, causal=causal, backend="portable")
+    portable_backward.attention_backward(dout, q, k, v, out.detach(), lse.detach(), offsets_q, offsets_k,
+                                         causal=causal, softmax_scale=64**-0.5)
+    assert taken[2] is None

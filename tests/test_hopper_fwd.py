@@ -327,39 +327,48 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
 
 
 
-@pytest.mark.parametrize("exact, group", [(True, 1), (False, 1), (False, 128)])
-def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group):
+@pytest.mark.parametrize("exact, group, copies", [(True, 1, False), (False, 1, False), (False, 128, False),
+                                                  (False, 128, True)])
+def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
     spans two chunks, read twice; forming the NaN/Inf check's flag), compiles for sm_90 without
     spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
-    in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17)."""
+    in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17),
+    also where it writes the backward's copies of K (``copies``: each chunk read a third time)."""
     names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
-                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, INTERPRET=False)
+                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
+                      ORDER=int(layout.DS_ORDER), INTERPRET=False)
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
-                    factor="*fp32", nonfinite="*fp32")
+                    factor="*fp32", nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32",
+                    copy_sequence="*fp8e4nv")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
+    config = rebase.FEATURE_COPIES_CONFIG if copies else rebase.FEATURE_CONFIG
     ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
-                      num_warps=rebase.FEATURE_CONFIG["num_warps"], aligned=list(pointers))
+                      num_warps=config["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
 
 
-def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90():
+@pytest.mark.parametrize("copies", [False, True])
+def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90(copies):
     """V's exponent pass from bf16 as the checked forward runs it (its maxima and the NaN/Inf flag
-    from one reduction) compiles for sm_90 without spills in at most 96 registers (two reductions of the
-    same tile took 143)."""
+    from one reduction; with ``copies`` the 64-token scale bytes of the backward's copy of V too) compiles
+    for sm_90 without spills in at most 96 registers (two reductions of the same tile took 143; 128 with the
+    copies' scales, 120 when compiled)."""
     names = rebase._sequence_exponent_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
-                      CHECK_FINITE=True, INTERPRET=False, BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
-    pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", nonfinite="*fp32")
+                      CHECK_FINITE=True, COPIES=copies, VALUE_GROUP=64, INTERPRET=False,
+                      BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
+    pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", nonfinite="*fp32",
+                    group_byte="*i32")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
     ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_sequence_exponent_kernel", signature, constexprs,
                       arch=90, num_warps=rebase.EXPONENT_CONFIGS["values"]["num_warps"], aligned=list(pointers))
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
-    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= (128 if copies else 96), report
 
 
 GPU_CASES = [

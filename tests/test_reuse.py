@@ -105,3 +105,22 @@ def test_attention_on_reused_mxfp8_inputs_sees_their_in_place_updates():
     assert torch.equal(out, expected)
     truth, _ = reference_forward(q.double(), k.double(), new_v.double(), offsets, offsets)
     assert (out.double() - truth).norm() / truth.norm() < 0.1
+
+
+def test_a_kept_value_is_taken_once_and_only_for_its_unwritten_sources():
+    """``keep`` / ``take`` (the forward's copies of K and V handed to the backward): taken once for the same
+    params on the same unwritten sources; nothing after a write, for other params, for other sources, or
+    for inference tensors."""
+    k, v = torch.randn(4, 2), torch.randn(4, 2)
+    reuse.keep((k, v), "copies", "value")
+    assert reuse.take((k, v), "other") is None
+    assert reuse.take((v, k), "copies") is None
+    assert reuse.take((k, v), "copies") == "value"
+    assert reuse.take((k, v), "copies") is None  # taken: no longer kept
+    reuse.keep((k, v), "copies", "value")
+    v.add_(1.0)  # a write torch sees
+    assert reuse.take((k, v), "copies") is None
+    with torch.inference_mode():
+        frozen = torch.randn(4, 2)
+    reuse.keep((frozen, v), "copies", "value")
+    assert reuse.take((frozen, v), "copies") is None

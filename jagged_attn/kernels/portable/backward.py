@@ -25,9 +25,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import bounds, fp8
 from ..producers import backward_passes
+from ..producers.rebase import take_backward_copies
 from . import HEAD_DIMS
 from ..common.layout import (
     LOG2E,
+    NATURAL_ORDER,
     P_SCALE,
     SMALLEST_NORMAL_BYTE,
     grid_split,
@@ -434,13 +436,21 @@ def launch_deterministic_dq(prep: backward_passes.Prepared, dq: torch.Tensor, *,
     _launch_dq(prep, dq, softmax_scale=softmax_scale, causal=causal, **tiles)
 
 
+def preparation() -> dict:
+    """The copies these kernels read (``backward_passes.Prepared``'s options): every token order natural,
+    one scale per token in Q's and V's feature copies."""
+    return dict(key_order=NATURAL_ORDER, value_scale_tokens=1)
+
+
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
                   deterministic: bool = False, dlse=None, tiles: dict | None = None) -> None:
     """:func:`attention_backward` writing dQ, dK, dV into the given buffers (q's, k's and v's shapes
     and dtypes), every element of them."""
     if offsets_q.numel() == 1:
         return
-    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse)
+    options = preparation()
+    kept = take_backward_copies(k, v, offsets_k, options["key_order"], options["value_scale_tokens"])
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse, kv=kept, **options)
     tiles = dict(tile_config(q.device) if tiles is None else tiles)
     tma_reduce = tiles.pop("tma_reduce")
     if prep.total_k > 0:

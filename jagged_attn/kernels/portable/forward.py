@@ -35,10 +35,12 @@ from ..producers.rebase import (
     dequantized_feature_rows,
     kept_rebase_kv,
     quantize_rebase_kv,
+    quantize_rebase_kv_keeping_copies,
     rebased_feature_rows,
     scale_args,
 )
 from ..common.schedule import work_list
+from . import backward as portable_backward
 
 
 def tile_config(head_dim: int, scores: str = "fp8") -> dict:
@@ -308,15 +310,22 @@ def attention_forward(
 
 def attention_forward_hp(
     q, k, v, offsets_q, offsets_k, *, causal: bool, softmax_scale: float, out_dtype=None, scores="fp8",
-    check_finite=False,
+    check_finite=False, for_backward=False,
 ):
     """Like :func:`attention_forward` for bf16/fp16 ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``:
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel. With
-    ``check_finite``, ValueError for NaN/Inf in q, k or v, read once the kernels are queued."""
+    ``check_finite``, ValueError for NaN/Inf in q, k or v, read once the kernels are queued.
+    ``for_backward`` (FP8 scores): the K and V passes also write the backward's copies of them and keep them
+    for it (``rebase.keep_backward_copies``)."""
     config = tile_config(q.shape[-1], scores)
     flags = torch.zeros(2, dtype=torch.float32, device=k.device) if check_finite else None  # k, v
-    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",
-                                    nonfinite=flags)
+    if for_backward and config["SCORES"] == "fp8":
+        options = portable_backward.preparation()
+        rebased_kv = quantize_rebase_kv_keeping_copies(k, v, offsets_k, config["BLOCK_N"], layout.NATURAL_ORDER,
+                                                       options["key_order"], options["value_scale_tokens"], flags)
+    else:
+        rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",
+                                        nonfinite=flags)
     # Q is quantized inside the kernel: its largest magnitude from a reduction of its own.
     magnitudes = torch.cat([largest_magnitudes((q,)), flags.to(torch.float64)]) if check_finite else None
     return checked_after(magnitudes, ("q", "k", "v"), lambda: forward_rebased(

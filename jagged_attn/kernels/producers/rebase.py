@@ -59,6 +59,10 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # heads and channel chunks fastest (``layout.slot_program``), measured faster than work slots fastest
 # (the configs re-swept in that order).
 FEATURE_CONFIG = dict(num_warps=4)
+# K's feature pass that also writes the backward's copies of K (``COPIES``): its third loop, over chunks of half
+# FEATURE_CHUNK tokens, takes 94 registers at eight warps (166 at four; whole chunks, 174 and 255) for sm_90.
+# Compiled only: not yet timed on a GPU.
+FEATURE_COPIES_CONFIG = dict(num_warps=8)
 # Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
 # whole slots: chunks were faster from bf16 and a little slower from MXFP8 (docs/perf-history.md).
@@ -208,8 +212,15 @@ def _rebase_feature_kernel(
             tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
-        if COPIES:  # the chunk read again (from L1/L2, just read)
-            tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
+        if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
+            largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
+                                                                        length, HEADS, D), INTERPRET),
+                                 propagate_nan=tl.PropagateNan.ALL)
+    if COPIES:  # the tile read a third time (from L2, just read), half chunks: no registers held across
+        tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
+        COPY_CHUNK: tl.constexpr = CHUNK // 2
+        for chunk in range(tile * (BLOCK_T // COPY_CHUNK), (tile + 1) * (BLOCK_T // COPY_CHUNK)):
+            rows = chunk * COPY_CHUNK + tl.arange(0, COPY_CHUNK)
             x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
             token_byte, feature, paired = token_normalized_copies(x, INTERPRET)
             tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
@@ -218,10 +229,6 @@ def _rebase_feature_kernel(
                      mask=rows < length)
             layout.store_sequence_copy(copy_sequence, paired.to(copy_sequence.dtype.element_ty), head,
                                        tl.arange(0, D), start, seq, rows, padded, D, ORDER)
-        if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
-            largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
-                                                                        length, HEADS, D), INTERPRET),
-                                 propagate_nan=tl.PropagateNan.ALL)
     if EXACT:
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
@@ -378,7 +385,7 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite
             padded_total(total, offsets.numel() - 1), HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk,
             GROUP=group, FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
             CHECK_FINITE=nonfinite is not None, COPIES=copies is not None, ORDER=order,
-            INTERPRET=fp8.INTERPRETED, **FEATURE_CONFIG,
+            INTERPRET=fp8.INTERPRETED, **(FEATURE_CONFIG if copies is None else FEATURE_COPIES_CONFIG),
         )
     return data, factor
 
@@ -500,6 +507,30 @@ def quantize_rebase_kv_for_backward(k: torch.Tensor, v: torch.Tensor, offsets: t
     operands = (*_rebase_feature(k, offsets, None, "rceil", group, False, work, k_flag, k_copies, key_order),
                 *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
     return operands, (k_copies, v_copies)
+
+
+def keep_backward_copies(k, v, offsets, key_order: int, value_group: int, copies) -> None:
+    """Keep :func:`quantize_rebase_kv_for_backward`'s ``copies`` (made for ``key_order``, ``value_group``) for
+    the backward of the same, unwritten ``k``, ``v``, ``offsets`` (``reuse.keep``): until
+    :func:`take_backward_copies` or until ``k`` is freed."""
+    reuse.keep((k, v, offsets), "backward copies", (key_order, value_group, copies))
+
+
+def take_backward_copies(k, v, offsets, key_order: int, value_group: int):
+    """The copies :func:`keep_backward_copies` kept for these ``k``, ``v``, ``offsets`` if they were made for
+    ``key_order`` and ``value_group`` (else None); no longer kept either way."""
+    kept = reuse.take((k, v, offsets), "backward copies")
+    return kept[2] if kept is not None and kept[:2] == (key_order, value_group) else None
+
+
+def quantize_rebase_kv_keeping_copies(k, v, offsets, group: int, v_order: int, key_order: int, value_group: int,
+                                      nonfinite: torch.Tensor | None = None):
+    """:func:`quantize_rebase_kv_for_backward`'s operands, its copies kept for the backward of these ``k``,
+    ``v``, ``offsets`` (:func:`keep_backward_copies`): what a forward with a gradient to come runs."""
+    operands, copies = quantize_rebase_kv_for_backward(k, v, offsets, group, v_order, key_order, value_group,
+                                                       nonfinite)
+    keep_backward_copies(k, v, offsets, key_order, value_group, copies)
+    return operands
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,

@@ -84,6 +84,7 @@ from ..common.persistent import resident_programs
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 from ..portable.backward import launch_deterministic_dq
+from ..producers.rebase import take_backward_copies
 from ..producers.backward_passes import (
     Q_DO_FACTOR,
     P_LSE2,
@@ -1055,8 +1056,11 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
         raise ValueError(f"scores must be one of {SCORE_MODES}, got {scores!r}")
     if offsets_q.numel() == 1:
         return
+    options = preparation(deterministic)
+    # K's and V's copies from the forward's passes, if it wrote them for this preparation (FP8 scores only).
+    kept = take_backward_copies(k, v, offsets_k, options["key_order"], options["value_scale_tokens"])
     prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=scores == "bf16", dlse=dlse,
-                    **preparation(deterministic))
+                    kv=None if scores == "bf16" else kept, **options)
     if prep.total_k > 0:
         dq_accum = dq_accumulator(prep, dq.device, adds=not deterministic)
         launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal, accumulate_dq=not deterministic)
