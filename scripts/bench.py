@@ -14,15 +14,16 @@ take minutes). Each ratio column is ours over the row's reference: FA4 where it 
 
 Workload sets (``--set``; ``--help`` lists them with the indices ``--workloads`` takes): ``fa4`` (the
 default), each workload at its own head_dim, and ``design``, docs/DESIGN.md section 8's, at each of
-``--head-dims``. Causal masks are bottom-right aligned. TFLOP/s count ``4 * sum_b visible(q, k pairs) * D
-* Hq`` (backward: 2.5x that; a training step, forward + backward through autograd: 3.5x). The backward is
-timed again and again on one retained graph, so only its first run takes the K and V copies our forward
-keeps for it (backends ``hopper`` and ``portable``): our backward column is a backward that quantizes K
-and V itself, the step column has the hand-over. Every timing is the median of ``triton.testing.do_bench``
-on random (never zero) inputs; its first call, untimed, absorbs compiles (Triton's, FA4's ~5 s per shape
-class). With ``--rounds N`` every peer of a workload is timed N times over, in turns, and each column
-reports the median of its N timings (the JSON also their spread): one timing of a 60 ms training step once
-read 13% slow while its forward and backward alone did not (docs/perf-history.md).
+``--head-dims``. Causal masks are bottom-right aligned. TFLOP/s count
+``4 * sum_b visible(q, k pairs) * D * Hq`` (backward: 2.5x that; a training step, forward + backward
+through autograd: 3.5x). The backward is timed again and again on one retained graph, so only its first
+run takes the K and V copies our forward keeps for it (backends ``hopper`` and ``portable``): our backward
+column is a backward that quantizes K and V itself, the step column has the hand-over. Every timing is the
+median of ``triton.testing.do_bench`` on random (never zero) inputs; its first call, untimed, absorbs
+compiles (Triton's, FA4's ~5 s per shape class). With ``--rounds N`` every peer of a workload is timed N
+times over, in turns, and each column reports the median of its N timings (the JSON also their spread):
+one timing of a 60 ms training step once read 13% slow while its forward and backward alone did not
+(docs/perf-history.md).
 
     python3 scripts/bench.py --out OUT_DIR [--set fa4|design] [--workloads NAME|INDEX ...]
         [--backward] [--flex] [--kernel] [--sweep] [--head-dims 128 64] [--rounds 2]
