@@ -60,8 +60,8 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # (the configs re-swept in that order).
 FEATURE_CONFIG = dict(num_warps=4)
 # K's feature pass that also writes the backward's copies of K (``COPIES``): its third loop, over chunks of half
-# FEATURE_CHUNK tokens, takes 94 registers at eight warps (166 at four; whole chunks, 174 and 255) for sm_90.
-# Compiled only: not yet timed on a GPU.
+# FEATURE_CHUNK tokens, takes 94 registers at eight warps (166 at four; whole chunks, 174 and 255) for sm_90;
+# so launched, it moves its bytes at the rate of the pass without copies (docs/perf-history.md v64).
 FEATURE_COPIES_CONFIG = dict(num_warps=8)
 # Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
