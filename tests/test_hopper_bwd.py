@@ -1143,18 +1143,23 @@ def test_gpu_preprocessing_bandwidth():
 @pytest.mark.parametrize("key_order, value_group", [(layout.DS_ORDER, sm90_backward.KEYS_PER_CONSUMER.value),
                                                     (layout.NATURAL_ORDER, 1)])
 def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_group, device):
-    """``quantize_rebase_kv_for_backward``: from one read of K and V, the forward's operands (the bytes of
-    ``quantize_rebase_kv``) and the backward's copies of K and V, the bytes ``quantize_for_backward`` makes
-    (K's feature copy and K^T in ``key_order``, V's feature copy on one scale per ``value_group`` tokens) on
-    ragged lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for the GPU, as interpreted."""
+    """``quantize_rebase_kv`` with ``keep_for``: from one read of K and V, the forward's operands (the bytes
+    it makes without) and the backward's copies of K and V, kept for ``take_backward_copies``: the bytes
+    ``quantize_for_backward`` makes (K's feature copy and K^T in ``key_order``, V's feature copy on one scale
+    per ``value_group`` tokens) on ragged lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for
+    the GPU, as interpreted."""
     lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
     _, k, v, _, _, offsets = make_inputs([1] * len(lengths), lengths, 4, 2, 64, kind="heavy", device=device,
                                          dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     k[5] *= 2.0**12  # one token far above its tile's others
     nonfinite = torch.zeros(2, device=device)
     block_n = sm90_forward.tile_config(64)["BLOCK_N"]
-    operands, (k_copy, v_copy) = rebase.quantize_rebase_kv_for_backward(
-        k, v, offsets, block_n, layout.PV_ORDER, key_order, value_group, nonfinite=nonfinite)
+    preparation = dict(key_order=key_order, value_scale_tokens=value_group)
+    operands = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER, nonfinite=nonfinite,
+                                         keep_for=preparation)
+    k_copy, v_copy = rebase.take_backward_copies(k, v, offsets, preparation)
+    with pytest.raises(ValueError, match="e4m3"):  # exact operands have no e4m3 copies to share
+        rebase.quantize_rebase_kv(k, v, offsets, block_n, exact=True, keep_for=preparation)
     expected = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER)
     written = [(padded_seq_start(int(offsets[b]), b) + t * block_n) // block_n  # K's factors: one per key tile
                for b, length in enumerate(lengths) for t in range(math.ceil(length / block_n))]

@@ -449,7 +449,7 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     if offsets_q.numel() == 1:
         return
     options = preparation()
-    kept = take_backward_copies(k, v, offsets_k, options["key_order"], options["value_scale_tokens"])
+    kept = take_backward_copies(k, v, offsets_k, options)
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse, kv=kept, **options)
     tiles = dict(tile_config(q.device) if tiles is None else tiles)
     tma_reduce = tiles.pop("tma_reduce")

@@ -35,7 +35,6 @@ from ..producers.rebase import (
     dequantized_feature_rows,
     kept_rebase_kv,
     quantize_rebase_kv,
-    quantize_rebase_kv_keeping_copies,
     rebased_feature_rows,
     scale_args,
 )
@@ -316,16 +315,12 @@ def attention_forward_hp(
     K and V are quantized to MXFP8 (rceil) and rebased in one pass each, Q inside the kernel. With
     ``check_finite``, ValueError for NaN/Inf in q, k or v, read once the kernels are queued.
     ``for_backward`` (FP8 scores): the K and V passes also write the backward's copies of them and keep them
-    for it (``rebase.keep_backward_copies``)."""
+    for it (``rebase.quantize_rebase_kv``'s ``keep_for``)."""
     config = tile_config(q.shape[-1], scores)
     flags = torch.zeros(2, dtype=torch.float32, device=k.device) if check_finite else None  # k, v
-    if for_backward and config["SCORES"] == "fp8":
-        options = portable_backward.preparation()
-        rebased_kv = quantize_rebase_kv_keeping_copies(k, v, offsets_k, config["BLOCK_N"], layout.NATURAL_ORDER,
-                                                       options["key_order"], options["value_scale_tokens"], flags)
-    else:
-        rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=config["SCORES"] == "bf16",
-                                        nonfinite=flags)
+    exact = config["SCORES"] == "bf16"
+    rebased_kv = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, nonfinite=flags,
+                                    keep_for=portable_backward.preparation() if for_backward and not exact else None)
     # Q is quantized inside the kernel: its largest magnitude from a reduction of its own.
     magnitudes = torch.cat([largest_magnitudes((q,)), flags.to(torch.float64)]) if check_finite else None
     return checked_after(magnitudes, ("q", "k", "v"), lambda: forward_rebased(

@@ -130,7 +130,7 @@ def _token_scale_byte(x):
 def token_normalized_copies(x, INTERPRET: tl.constexpr):
     """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale: (the
     scale bytes ``[rows]``, the feature copy's e4m3 values, the same values paired for the transposed
-    copy's store). The forward's K pass writes them too (``rebase.quantize_rebase_kv_for_backward``)."""
+    copy's store). The forward's K pass writes them too (``rebase.quantize_rebase_kv`` with ``keep_for``)."""
     token_byte = _token_scale_byte(x)
     normalized = x * scale_factor(token_byte)[:, None]
     return token_byte, fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
@@ -382,7 +382,7 @@ class Prepared:
         (``quantize_for_backward``'s ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the
         LSE's gradient, taken into Delta (None: none); ``kv``: K's and V's copies (``Quantized``) as this
         preparation makes them, written beforehand by the forward's passes
-        (``rebase.quantize_rebase_kv_for_backward``), or None."""
+        (``rebase.take_backward_copies``), or None."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]

@@ -486,60 +486,54 @@ def kept_rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = Fal
                          lambda: rebase_kv(k, v, group, exact, v_order))
 
 
-def quantize_rebase_kv_for_backward(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int,
-                                    v_order: int, key_order: int, value_group: int,
-                                    nonfinite: torch.Tensor | None = None):
-    """:func:`quantize_rebase_kv`'s operands (e4m3, not exact) and, from the same reads of K and V, the
-    backward's copies of them (``backward_passes.Prepared``'s ``k`` and ``v``, as ``quantize_for_backward``
-    makes them): K's e4m3 feature copy and K^T (tokens in ``key_order``), each token over its own scale;
-    V's e4m3 feature copy on one scale per ``value_group`` tokens. Returns (operands, (k copies, v copies))."""
-    total, heads, dim = k.shape
-    padded = padded_total(total, offsets.numel() - 1)
-    f32 = dict(dtype=torch.float32, device=k.device)
+def _backward_copies(k: torch.Tensor, v: torch.Tensor, padded: int) -> tuple[Quantized, Quantized]:
+    """Unwritten e4m3 copies of K and V as ``backward_passes.Prepared`` reads them: K's feature copy with its
+    per-token scales and K^T ``[H, D, padded]``; V's feature copy with its scales."""
+    (total, heads, dim), f32 = k.shape, dict(dtype=torch.float32, device=k.device)
     k_copies = Quantized(feature=torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=k.device),
                          feature_scale=torch.empty(heads, total, **f32),
                          sequence=torch.empty(heads, dim, padded, dtype=torch.float8_e4m3fn, device=k.device))
     k_copies.token_scale = k_copies.feature_scale
     v_copies = Quantized(feature=torch.empty(v.shape, dtype=torch.float8_e4m3fn, device=v.device),
                          feature_scale=torch.empty(v.shape[1], total, **f32))
-    work = slot_tiles(offsets, total)
-    k_flag, v_flag = (None, None) if nonfinite is None else (nonfinite[:1], nonfinite[1:])
-    operands = (*_rebase_feature(k, offsets, None, "rceil", group, False, work, k_flag, k_copies, key_order),
-                *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
-    return operands, (k_copies, v_copies)
+    return k_copies, v_copies
 
 
-def keep_backward_copies(k, v, offsets, key_order: int, value_group: int, copies) -> None:
-    """Keep :func:`quantize_rebase_kv_for_backward`'s ``copies`` (made for ``key_order``, ``value_group``) for
-    the backward of the same, unwritten ``k``, ``v``, ``offsets`` (``reuse.keep``): until
-    :func:`take_backward_copies` or until ``k`` is freed."""
-    reuse.keep((k, v, offsets), "backward copies", (key_order, value_group, copies))
-
-
-def take_backward_copies(k, v, offsets, key_order: int, value_group: int):
-    """The copies :func:`keep_backward_copies` kept for these ``k``, ``v``, ``offsets`` if they were made for
-    ``key_order`` and ``value_group`` (else None); no longer kept either way."""
-    kept = reuse.take((k, v, offsets), "backward copies")
-    return kept[2] if kept is not None and kept[:2] == (key_order, value_group) else None
-
-
-def quantize_rebase_kv_keeping_copies(k, v, offsets, group: int, v_order: int, key_order: int, value_group: int,
-                                      nonfinite: torch.Tensor | None = None):
-    """:func:`quantize_rebase_kv_for_backward`'s operands, its copies kept for the backward of these ``k``,
-    ``v``, ``offsets`` (:func:`keep_backward_copies`): what a forward with a gradient to come runs."""
-    operands, copies = quantize_rebase_kv_for_backward(k, v, offsets, group, v_order, key_order, value_group,
-                                                       nonfinite)
-    keep_backward_copies(k, v, offsets, key_order, value_group, copies)
-    return operands
+def _copies_spec(preparation: dict) -> tuple[int, int]:
+    """What a backward's copies of K and V depend on in its ``preparation`` (``Prepared``'s options)."""
+    return int(preparation["key_order"]), int(preparation["value_scale_tokens"])
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
-                       v_order=layout.NATURAL_ORDER, nonfinite: torch.Tensor | None = None):
+                       v_order=layout.NATURAL_ORDER, nonfinite: torch.Tensor | None = None,
+                       keep_for: dict | None = None):
     """``(*quantize_rebase_feature(k, offsets, "rceil", group, exact), *quantize_rebase_sequence(v, offsets))``
     with one tile list for both passes (``v_order`` as in :func:`rebase_kv`); ``nonfinite``: fp32 ``[2]``
-    holding 0, K's and V's NaN/Inf flags (``quantize_rebase_feature``'s ``nonfinite``)."""
-    work = slot_tiles(offsets, k.shape[0])
+    holding 0, K's and V's NaN/Inf flags (``quantize_rebase_feature``'s ``nonfinite``).
+
+    ``keep_for`` (not ``exact``): the ``preparation`` (``Prepared``'s options) of a backward to come. The same
+    passes then also write, from the same reads of K and V, that backward's copies of them, the bytes
+    ``quantize_for_backward`` makes (K's e4m3 feature copy and K^T in its ``key_order``, each token over its own
+    scale; V's e4m3 feature copy on one scale per ``value_scale_tokens`` tokens), and keep them for it
+    (:func:`take_backward_copies`; ``reuse.keep``: until taken or until ``k`` is freed)."""
+    if keep_for is not None and exact:
+        raise ValueError("the backward's copies of K and V are e4m3: keep_for needs exact=False")
+    total = k.shape[0]
+    work = slot_tiles(offsets, total)
     k_flag, v_flag = (None, None) if nonfinite is None else (nonfinite[:1], nonfinite[1:])
-    return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag),
-            *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag))
+    k_copies, v_copies = (None, None) if keep_for is None else _backward_copies(
+        k, v, padded_total(total, offsets.numel() - 1))
+    key_order, value_group = (layout.NATURAL_ORDER, 1) if keep_for is None else _copies_spec(keep_for)
+    operands = (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag, k_copies, key_order),
+                *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
+    if keep_for is not None:
+        reuse.keep((k, v, offsets), "backward copies", (_copies_spec(keep_for), (k_copies, v_copies)))
+    return operands
+
+
+def take_backward_copies(k, v, offsets, preparation: dict):
+    """The copies of K and V that :func:`quantize_rebase_kv` kept for the backward of these ``k``, ``v``,
+    ``offsets``, if they were made for this backward's ``preparation`` (else None); no longer kept either way."""
+    kept = reuse.take((k, v, offsets), "backward copies")
+    return kept[1] if kept is not None and kept[0] == _copies_spec(preparation) else None
 

@@ -1058,7 +1058,7 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
         return
     options = preparation(deterministic)
     # K's and V's copies from the forward's passes, if it wrote them for this preparation (FP8 scores only).
-    kept = take_backward_copies(k, v, offsets_k, options["key_order"], options["value_scale_tokens"])
+    kept = take_backward_copies(k, v, offsets_k, options)
     prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=scores == "bf16", dlse=dlse,
                     kv=None if scores == "bf16" else kept, **options)
     if prep.total_k > 0:
