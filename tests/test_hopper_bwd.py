@@ -458,10 +458,11 @@ def test_gluon_kernel_arguments_build_on_the_host():
 
 @pytest.mark.parametrize("feature_dtype", [torch.float8_e4m3fn, torch.bfloat16])
 def test_producers_write_the_padded_row_vectors(feature_dtype):
-    """With ``rows`` the Q and dO producers also write the token scales, P_LSE2 and Q_DELTA into the
-    Gluon kernel's padded per-query vectors: each non-empty sequence from its ``padded_seq_start``,
-    ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there), nothing else;
-    Q_DO_FACTOR (Q's times dO's token scales) only for e4m3 copies (the exact path's dP needs none).
+    """With ``rows`` the dO producer also writes Q's feature scales, P_LSE2 and Q_DELTA (from ``query``, what
+    the producer made of Q) into the Gluon kernel's padded per-query vectors: each non-empty sequence from its
+    ``padded_seq_start``, ``PAST_END`` to the end of its last slot (the kernel reads 64-row windows there),
+    nothing else; Q_DO_FACTOR (Q's times dO's token scales) only for e4m3 copies (the exact path's dP needs
+    none).
     Q_DELTA holds the LSE's gradient where one is given (the bf16 case: the default GPU path)."""
     lengths, heads = [0, 3, 130, 1, 300], 4
     q, k, v, dout, offsets, _ = make_inputs(lengths, lengths, heads, 2, 64)
@@ -470,11 +471,11 @@ def test_producers_write_the_padded_row_vectors(feature_dtype):
     padded_q = padded_total(q.shape[0], len(lengths))
     rows = torch.full((backward_passes.ROW_VECTORS.value, heads, padded_q), math.nan)
     group = backward_passes.PRODUCER_CHUNK if feature_dtype == torch.float8_e4m3fn else 1
-    mq, _, _ = backward_passes.quantize_for_backward(q, offsets, feature=True, sequence=False, rows=rows,
+    mq, _, _ = backward_passes.quantize_for_backward(q, offsets, feature=True, sequence=False,
                                                      feature_dtype=feature_dtype, feature_group=group)
     mdo, delta, lse2 = backward_passes.quantize_for_backward(dout, offsets, feature=True, sequence=False, out=out,
                                                              lse=lse, rows=rows, feature_dtype=feature_dtype, dlse=dlse,
-                                                             query_scale=mq.token_scale)
+                                                             query=mq)
     expected_delta = softmax_delta(dout, out, dlse)
     torch.testing.assert_close(delta, expected_delta.T, rtol=1e-5, atol=1e-4)
     vectors = padded_vectors_of(mq, lse2, mdo.feature_scale, delta)
@@ -680,12 +681,10 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
     an SM than three of four. K's pass (one scale per token) rounds the same values for both copies, and
     every pass keeps all its e4m3 conversions in the SASS: ptxas merged two identical ones and left
     some of their consumers reading registers no conversion wrote (``fp8.to_e4m3_paired_apart``)."""
-    ws = backward_passes
     is_do, is_q, fp8_copy = tensor.startswith("dout"), tensor.startswith("q"), tensor.endswith("fp8")
     normalized = is_q or tensor.startswith("k")
     with_dlse = tensor == "dout+dlse"
-    rows = dict(SCALE_ROW=ws.Q_FACTOR.value if is_q else -1, P_LSE2_ROW=ws.P_LSE2.value if is_do else -1,
-                Q_DELTA_ROW=ws.Q_DELTA.value)
+    rows = dict(ROWS=is_do, DO_FACTOR=False)
     shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, GROUP=2,
                  CHUNK=backward_passes.PRODUCER_CHUNK)
     quantize = dict(shape, NORMALIZE_TOKENS=normalized, FEATURE=True,
@@ -1120,16 +1119,15 @@ def test_gpu_preprocessing_bandwidth():
     tiles = slot_tiles(offsets_q, dout.shape[0])
     padded = padded_total(dout.shape[0], offsets_q.numel() - 1)
     rows = torch.empty(backward_passes.ROW_VECTORS.value, dout.shape[1], padded, device=dout.device)
-    query_scale = backward_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False,
-                                                        tiles=tiles)[0].token_scale
+    query = backward_passes.quantize_for_backward(q, offsets_q, feature=True, sequence=False, tiles=tiles)[0]
     produce_ms = _median_ms(backward_passes.quantize_for_backward, dout, offsets_q, feature=True, sequence=True,
                             out=out, lse=lse, order=layout.PV_ORDER, feature_dtype=torch.bfloat16, tiles=tiles,
-                            rows=rows, query_scale=query_scale)
+                            rows=rows, query=query)
     # Bytes: dO read twice (amax pass, quantize pass), O once; the bf16 feature copy and the e4m3
-    # sequence copy written; per token and head fp32: LSE and Q's token scale read, dO's token scale
-    # written, Delta and lse2 written twice (flat and padded).
+    # sequence copy written; per token and head fp32: LSE and Q's token and feature scales read, dO's token
+    # scale and Q's feature scale written, Delta and lse2 written twice (flat and padded).
     elements = dout.numel()
-    produce_bytes = elements * (3 * dout.element_size() + 2 + 1) + dout.shape[0] * dout.shape[1] * 4 * 7
+    produce_bytes = elements * (3 * dout.element_size() + 2 + 1) + dout.shape[0] * dout.shape[1] * 4 * 9
     produce_bandwidth = produce_bytes / produce_ms * 1e-6
     print(f"[bwd-producer] copy {copy_bandwidth:.0f} GB/s; dO producer {produce_ms:.3f} ms "
           f"{produce_bandwidth:.0f} GB/s = {produce_bandwidth / copy_bandwidth:.0%} of copy")
@@ -1154,10 +1152,11 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     k[5] *= 2.0**12  # one token far above its tile's others
     nonfinite = torch.zeros(2, device=device)
     block_n = sm90_forward.tile_config(64)["BLOCK_N"]
-    preparation = dict(key_order=key_order, value_scale_tokens=value_group)
+    preparation = dict(query_order=key_order, key_order=key_order, query_scale_tokens=1, value_scale_tokens=value_group)
     operands = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER, nonfinite=nonfinite,
                                          keep_for=preparation)
-    k_copy, v_copy = rebase.take_backward_copies(k, v, offsets, preparation)
+    q_copy, (k_copy, v_copy) = rebase.take_backward_copies(k, k, v, offsets, offsets, preparation)
+    assert q_copy is None  # nothing kept for Q
     with pytest.raises(ValueError, match="e4m3"):  # exact operands have no e4m3 copies to share
         rebase.quantize_rebase_kv(k, v, offsets, block_n, exact=True, keep_for=preparation)
     expected = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER)
@@ -1183,15 +1182,57 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     assert torch.equal(v_copy.feature_scale, v_want.feature_scale)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("query_order, query_group", [(layout.PV_ORDER, sm90_backward.BLOCK_M.value),
+                                                      (layout.NATURAL_ORDER, 1)])
+def test_forward_pass_writes_the_backward_copies_of_q(query_order, query_group, device):
+    """``quantize_rebase_feature`` with ``keep_for``: from one read of Q, the forward's operand (the bytes it
+    makes without) and the backward's copies of Q, kept for ``take_backward_copies``: the bytes
+    ``quantize_for_backward`` makes (Q's feature copy on one scale per ``query_group`` tokens, each token's own
+    scale beside it, and Q^T in ``query_order``) on ragged lengths around the tiles and chunks, heavy-tailed
+    tokens; compiled for the GPU, as interpreted. Only what the backward reads can be kept."""
+    lengths = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300]
+    q, k, v, _, offsets, _ = make_inputs(lengths, [1] * len(lengths), 4, 2, 64, kind="heavy", device=device,
+                                         dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    q[40] *= 2.0**12  # one token far above its chunk's others
+    nonfinite = torch.zeros(1, device=device)
+    preparation = dict(query_order=query_order, key_order=layout.DS_ORDER, query_scale_tokens=query_group,
+                       value_scale_tokens=1)
+    data, factor = rebase.quantize_rebase_feature(q, offsets, nonfinite=nonfinite, keep_for=preparation)
+    q_copy, kv_copies = rebase.take_backward_copies(q, k, v, offsets, offsets, preparation)
+    assert kv_copies is None  # nothing kept for K and V
+    assert rebase.take_backward_copies(q, k, v, offsets, offsets, preparation)[0] is None  # taken once
+    for wrong in (dict(exact=True), dict(rounding="floor")):
+        with pytest.raises(ValueError, match="e4m3 on rceil"):
+            rebase.quantize_rebase_feature(q, offsets, keep_for=preparation, **wrong)
+    with pytest.raises(ValueError, match="1 or 64"):
+        rebase.quantize_rebase_feature(q, offsets, keep_for=dict(preparation, query_scale_tokens=32))
+    data_want, factor_want = rebase.quantize_rebase_feature(q, offsets)
+    rows = [padded_seq_start(int(offsets[b]), b) + t for b, length in enumerate(lengths) for t in range(length)]
+    assert torch.equal(data.view(torch.uint8), data_want.view(torch.uint8))
+    assert torch.equal(factor[:, rows], factor_want[:, rows])
+    assert not nonfinite.any()
+    want, _, _ = backward_passes.quantize_for_backward(q, offsets, feature=True, sequence=True, normalize_tokens=True,
+                                                       order=query_order, feature_group=query_group)
+    slots = [padded_seq_start(int(offsets[b]), b) + i for b, length in enumerate(lengths)
+             for i in range(math.ceil(length / 128) * 128)]
+    assert torch.equal(q_copy.feature.view(torch.uint8), want.feature.view(torch.uint8))
+    assert torch.equal(q_copy.feature_scale, want.feature_scale)
+    assert torch.equal(q_copy.token_scale, want.token_scale)
+    assert (q_copy.token_scale is q_copy.feature_scale) == (query_group == 1)
+    assert torch.equal(q_copy.sequence[..., slots].view(torch.uint8), want.sequence[..., slots].view(torch.uint8))
+
+
 @pytest.mark.parametrize("backend, module, device", [
     ("portable", portable_backward, "cpu"),
     pytest.param("hopper", sm90_backward, "cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_takes_the_copies_the_forward_kept(monkeypatch, causal, backend, module, device):
     """Through the public call with a gradient to come (``portable`` in the CPU interpreter, ``hopper``
-    on the GPU): the forward's K and V passes keep the backward's copies, the backward takes them, and its
-    gradients are bit-identical to those of a backward that quantizes K and V itself; without a gradient
-    to come the forward keeps nothing."""
+    on the GPU): the forward's K and V passes (and on Hopper its Q pass; the portable forward quantizes Q in
+    its kernel) keep the backward's copies, the backward takes them, and its gradients are bit-identical to
+    those of a backward that quantizes Q, K and V itself; without a gradient to come the forward keeps
+    nothing."""
     import jagged_attn as ja
 
     taken = []
@@ -1203,9 +1244,9 @@ def test_backward_takes_the_copies_the_forward_kept(monkeypatch, causal, backend
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = ja.jagged_attention(*leaves, offsets_q, offsets_k, causal=causal, backend=backend, return_lse=True)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert len(taken) == 1 and taken[0] is not None
+    assert len(taken) == 1 and taken[0][1] is not None and (taken[0][0] is not None) == (backend == "hopper")
     own = module.attention_backward(dout, q, k, v, out.detach(), lse.detach(), offsets_q, offsets_k, **own_options)
-    assert len(taken) == 2 and taken[1] is None  # the kept copies were taken once
+    assert len(taken) == 2 and taken[1] == (None, None)  # the kept copies were taken once
     (dq, *dkv), (dq_own, *dkv_own) = grads, own
     for got, want in zip(dkv, dkv_own):
         assert torch.equal(got, want)
@@ -1214,4 +1255,4 @@ def test_backward_takes_the_copies_the_forward_kept(monkeypatch, causal, backend
     with torch.no_grad():
         ja.jagged_attention(q, k, v, offsets_q, offsets_k, causal=causal, backend=backend)
     module.attention_backward(dout, q, k, v, out.detach(), lse.detach(), offsets_q, offsets_k, **own_options)
-    assert taken[2] is None
+    assert taken[2] == (None, None)

@@ -327,25 +327,28 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
 
 
 
-@pytest.mark.parametrize("exact, group, copies", [(True, 1, False), (False, 1, False), (False, 128, False),
-                                                  (False, 128, True)])
-def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies):
+@pytest.mark.parametrize("exact, group, copies, copy_group", [
+    (True, 1, False, 1), (False, 1, False, 1), (False, 128, False, 1),
+    (False, 128, True, 1),  # K's pass as training runs it
+    (False, 1, True, rebase.FEATURE_CHUNK)])  # Q's
+def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, copy_group):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
     spans two chunks, read twice; forming the NaN/Inf check's flag), compiles for sm_90 without
     spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
     in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17),
-    also where it writes the backward's copies of K (``copies``: each chunk read a third time)."""
+    also where it writes the backward's copies of K or Q (``copies``: each chunk read again; Q's copy on one
+    scale per chunk, so once more for the chunk's largest token)."""
     names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
-                      ORDER=int(layout.DS_ORDER), INTERPRET=False)
+                      COPY_GROUP=copy_group, ORDER=int(layout.DS_ORDER), INTERPRET=False)
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
                     factor="*fp32", nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32",
-                    copy_sequence="*fp8e4nv")
+                    copy_token_scale="*fp32", copy_sequence="*fp8e4nv")
     signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
     config = rebase.FEATURE_COPIES_CONFIG if copies else rebase.FEATURE_CONFIG
     ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
-                      num_warps=config["num_warps"], aligned=list(pointers))
+                      num_warps=config["num_warps"], aligned=[*pointers, "padded"])  # padded: whole slots
     report = ptxas_report(ptx, 90)
     assert "0 bytes spill stores" in report
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report

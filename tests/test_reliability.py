@@ -71,7 +71,8 @@ def test_backward_producer_refuses_row_vectors_of_another_shape():
             rows = torch.empty(backward_passes.ROW_VECTORS.value, heads, tokens)
             try:
                 backward_passes.quantize_for_backward(dout, offsets, feature=True, sequence=True, out=out, lse=lse,
-                                                      rows=rows, query_scale=token_scale)
+                                                      rows=rows, query=backward_passes.Quantized(
+                                                          feature_scale=token_scale, token_scale=token_scale))
             except ValueError as error:
                 assert "rows must be" in str(error), error
                 print("refused")

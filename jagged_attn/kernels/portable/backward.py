@@ -439,7 +439,7 @@ def launch_deterministic_dq(prep: backward_passes.Prepared, dq: torch.Tensor, *,
 def preparation() -> dict:
     """The copies these kernels read (``backward_passes.Prepared``'s options): every token order natural,
     one scale per token in Q's and V's feature copies."""
-    return dict(key_order=NATURAL_ORDER, value_scale_tokens=1)
+    return dict(query_order=NATURAL_ORDER, key_order=NATURAL_ORDER, query_scale_tokens=1, value_scale_tokens=1)
 
 
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, causal: bool, softmax_scale: float,
@@ -449,8 +449,9 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     if offsets_q.numel() == 1:
         return
     options = preparation()
-    kept = take_backward_copies(k, v, offsets_k, options)
-    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse, kv=kept, **options)
+    kept_q, kept_kv = take_backward_copies(q, k, v, offsets_q, offsets_k, options)
+    prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse, q_copies=kept_q,
+                                    kv_copies=kept_kv, **options)
     tiles = dict(tile_config(q.device) if tiles is None else tiles)
     tma_reduce = tiles.pop("tma_reduce")
     if prep.total_k > 0:

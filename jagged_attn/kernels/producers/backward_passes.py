@@ -43,7 +43,7 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
 The producers (:func:`quantize_for_backward`: one pass, :func:`_quantize_kernel`, after
 :func:`_sequence_amax_kernel` for dO's (sequence, channel) maxima) write those copies; dO's pass also
 forms Delta and the LSE in log2 units, and, for the Hopper kernel, the padded per-query vectors
-(``ROW_VECTORS`` of them).
+(``ROW_VECTORS`` of them, Q's scales among them).
 :class:`Prepared` runs them for one backward call. :func:`finish_dq` turns the Hopper kernel's fp32
 dQ sums into dQ.
 """
@@ -91,8 +91,8 @@ def quantize_warps(feature_group: int) -> int:
     return QUANTIZE_WARPS if feature_group == 1 else 2 * QUANTIZE_WARPS
 
 
-# The Hopper kernel's per-query vectors, rows of one flat fp32 [ROW_VECTORS, H, padded] buffer
-# (Prepared(row_vectors=True)): Q_FACTOR, the scale of Q's feature copy (its token scale q, or its group's);
+# The Hopper kernel's per-query vectors, rows of one flat fp32 [ROW_VECTORS, H, padded] buffer that dO's pass
+# writes (Prepared(row_vectors=True)): Q_FACTOR, the scale of Q's feature copy (its token scale q, or its group's);
 # P_LSE2 = lse2 - log2(P_SCALE), so that exp2(logits - P_LSE2) is P * P_SCALE; Q_DO_FACTOR = q times dO's
 # token scale (FP8 scores only: neither written nor read on the exact path); Q_DELTA = q * Delta.
 Q_FACTOR, P_LSE2, Q_DO_FACTOR, Q_DELTA = (tl.constexpr(i) for i in range(4))
@@ -121,7 +121,7 @@ def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM
 
 
 @triton.jit
-def _token_scale_byte(x):
+def token_scale_byte(x):
     """Per-row E8M0 byte of a ``[rows, D]`` tile: the head_dim-axis scale of each token."""
     return scale_byte_of_amax(tl.max(tl.abs(x), axis=1), False)
 
@@ -131,7 +131,7 @@ def token_normalized_copies(x, INTERPRET: tl.constexpr):
     """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale: (the
     scale bytes ``[rows]``, the feature copy's e4m3 values, the same values paired for the transposed
     copy's store). The forward's K pass writes them too (``rebase.quantize_rebase_kv`` with ``keep_for``)."""
-    token_byte = _token_scale_byte(x)
+    token_byte = token_scale_byte(x)
     normalized = x * scale_factor(token_byte)[:, None]
     return token_byte, fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
 
@@ -159,15 +159,15 @@ def _quantize_kernel(
     x_ptr, offsets_ptr, tiles_ptr,
     feature_ptr, feature_scale_ptr,  # e4m3 (or its bf16 values) [total, H, D]; fp32 [H, total]: scale per token
     token_scale_ptr,  # fp32 [H, total]: each token's own scale (FEATURE_GROUP > 1)
-    query_scale_ptr,  # fp32 [H, total]: Q's token scales (dO's pass with P_LSE2_ROW)
+    query_scale_ptr, query_feature_scale_ptr,  # fp32 [H, total]: Q's token and feature scales (dO's pass, ROWS)
     amax_ptr, sequence_ptr, sequence_scale_ptr,  # amax bits, fp32 scales [H / GROUP, B, D]; e4m3/fp16 [H, D, padded]
     out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,  # O [total, H, D], LSE, dLSE [total, H] -> fp32 [H, total]
     rows_ptr,  # fp32 [ROW_VECTORS, H, padded]: per-query vectors in padded slots (the Hopper kernel's)
     total, padded, batch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, FEATURE: tl.constexpr, FEATURE_GROUP: tl.constexpr,
-    SEQUENCE: tl.constexpr, DELTA: tl.constexpr, DLSE: tl.constexpr, ORDER: tl.constexpr, SCALE_ROW: tl.constexpr,
-    P_LSE2_ROW: tl.constexpr, Q_DELTA_ROW: tl.constexpr,
+    SEQUENCE: tl.constexpr, DELTA: tl.constexpr, DLSE: tl.constexpr, ORDER: tl.constexpr, ROWS: tl.constexpr,
+    DO_FACTOR: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One (TILE-token tile of a sequence, head), CHUNK tokens at a time: read ``x`` once, write the
@@ -179,11 +179,11 @@ def _quantize_kernel(
     divided by its own head_dim scale with NORMALIZE_TOKENS (the kernels fold that scale into dS), else
     on a scale per (sequence, channel), shared by each GROUP of consecutive heads, from the maxima of
     :func:`_sequence_amax_kernel`. DELTA (for dO): ``rowsum(dO * O)`` and ``LSE * log2(e)``
-    (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key). SCALE_ROW >= 0: the
-    feature scales also go to that vector of ``rows_ptr`` (``Q_FACTOR``; with P_LSE2_ROW times Q's token
-    scales, ``Q_DO_FACTOR``), the whole slot, zeros past the sequence's end. P_LSE2_ROW >= 0 (with DELTA):
-    ``lse2 - P_STATIC_EXP`` there (+inf past the end) and Delta times the query's token scale
-    (``query_scale_ptr``) to Q_DELTA_ROW. DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr``
+    (+inf where LSE is -inf, so that ``exp2(s - lse2)`` is 0 for rows that see no key). ROWS (with DELTA):
+    the per-query vectors into ``rows_ptr``, the whole slot: ``P_LSE2``, ``lse2 - P_STATIC_EXP`` (+inf past
+    the sequence's end), ``Q_DELTA``, Delta times Q's token scale (``query_scale_ptr``), and ``Q_FACTOR``,
+    Q's feature scale (``query_feature_scale_ptr``), zeros past the end; with DO_FACTOR also ``Q_DO_FACTOR``,
+    the feature scales times Q's token scales. DLSE (with DELTA): Delta less the LSE's gradient ``dlse_ptr``
     [total, H] (``reference.softmax_delta``), wherever Delta goes.
     """
     tile, b, h, seq_start, seq_len = _producer_program(offsets_ptr, total, tiles_ptr, HEADS)
@@ -207,12 +207,13 @@ def _quantize_kernel(
             lse = tl.load(lse_ptr + tokens * HEADS + h, mask=in_seq, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             tl.store(lse2_ptr + h * total + tokens, lse2, mask=in_seq)
-            if P_LSE2_ROW >= 0:  # +inf past the end, so that the Hopper kernel's p is 0 there
-                tl.store(padded_rows + P_LSE2_ROW * HEADS * padded,
-                         tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
+            if ROWS:  # P_LSE2 +inf past the end, so that the Hopper kernel's p is 0 there
+                tl.store(padded_rows + P_LSE2 * HEADS * padded, tl.where(in_seq, lse2 - P_STATIC_EXP, float("inf")))
                 q_factor = tl.load(query_scale_ptr + h * total + tokens, mask=in_seq, other=0.0)
-                tl.store(padded_rows + Q_DELTA_ROW * HEADS * padded, q_factor * delta)
-        token_byte = _token_scale_byte(x)  # the feature copy's (unless a chunk shares one), the normalized copy's
+                tl.store(padded_rows + Q_DELTA * HEADS * padded, q_factor * delta)
+                tl.store(padded_rows + Q_FACTOR * HEADS * padded,
+                         tl.load(query_feature_scale_ptr + h * total + tokens, mask=in_seq, other=0.0))
+        token_byte = token_scale_byte(x)  # the feature copy's (unless a chunk shares one), the normalized copy's
         if FEATURE:
             byte = token_byte
             if FEATURE_GROUP > 1:
@@ -224,11 +225,8 @@ def _quantize_kernel(
                 data = data.to(tl.float32) * scale_value(byte)[:, None]
             tl.store(feature_ptr + natural, data.to(feature_ptr.dtype.element_ty), mask=in_seq[:, None])
             tl.store(feature_scale_ptr + h * total + tokens, scale_value(byte), mask=in_seq)
-            if SCALE_ROW >= 0:  # dO's producer stores them times Q's (Q_DO_FACTOR)
-                row_factor = scale_value(byte)
-                if P_LSE2_ROW >= 0:
-                    row_factor *= q_factor
-                tl.store(padded_rows + SCALE_ROW * HEADS * padded, tl.where(in_seq, row_factor, 0.0))
+            if DO_FACTOR:  # q_factor is 0 past the end
+                tl.store(padded_rows + Q_DO_FACTOR * HEADS * padded, scale_value(byte) * q_factor)
         if SEQUENCE:  # the whole slot, zeros past the end
             if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
                 _, _, data = token_normalized_copies(x, INTERPRET)
@@ -284,7 +282,7 @@ class Quantized:
 
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
                           dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, feature_group=1,
-                          sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None, query_scale=None):
+                          sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None, query=None):
     """Quantize high-precision ``x`` ``[total, H, D]`` for the backward kernels.
 
     ``sequence``: the transposed copy, on scales per (sequence, channel) shared by each ``group`` of
@@ -301,11 +299,11 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     ``[total, H]`` or None), the LSE's gradient, is subtracted from Delta.
     ``tiles``: the slot table of ``offsets`` (``schedule.slot_tiles``: built on the device, so that no
     launch waits for the host to learn the longest sequence), made here when not given.
-    ``rows``: the Hopper kernel's per-query vectors, fp32 ``[ROW_VECTORS, H, padded]``,
-    each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf): also write the token scales
-    there, as Q's (``Q_FACTOR``: its feature copy's) or, with ``out`` and ``lse``, as dO's times Q's
-    (``Q_DO_FACTOR``: only for e4m3 copies, since the kernel's exact dP needs none) with ``P_LSE2`` and
-    ``Q_DELTA``, from ``query_scale``: Q's ``token_scale``.
+    ``rows`` (with ``out`` and ``lse``, for dO): the Hopper kernel's per-query vectors, fp32 ``[ROW_VECTORS,
+    H, padded]``, each sequence from its ``padded_seq_start``, zeros past its end (P_LSE2: +inf), written from
+    ``query``, what this function made of Q (``Q_FACTOR``: its ``feature_scale``; ``P_LSE2``; ``Q_DELTA``
+    and, for e4m3 copies only (the kernel's exact dP needs none), ``Q_DO_FACTOR``: Delta and dO's token
+    scales times its ``token_scale``).
     """
     total, heads, dim = x.shape
     if feature_group not in (1, PRODUCER_CHUNK):
@@ -337,24 +335,17 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         _sequence_amax_kernel[grid](x, offsets, tiles, amax, total, batch, GROUP=group, CHUNK=PRODUCER_CHUNK,
                                     num_warps=AMAX_WARPS, **shape)
     unused = x  # any tensor: Triton needs a pointer for outputs a launch does not write
-    # The per-query vectors this producer writes into ``rows`` (-1: none): P_LSE2 and Q_DELTA (from Q's
-    # token scales) with dO's token scales where the kernel reads them (e4m3 copies), or Q's feature scales.
-    scale_row = p_lse2_row = q_delta_row = -1
-    if rows is not None and tuple(rows.shape) != (ROW_VECTORS.value, heads, padded):
-        raise ValueError(f"rows must be [{ROW_VECTORS.value}, {heads}, {padded}] (vectors, heads, padded tokens), "
-                         f"got {list(rows.shape)}")
-    if rows is not None and with_delta:
-        if query_scale is None:
-            raise ValueError("dO's per-query vectors take Q's token scales: pass query_scale")
-        p_lse2_row, q_delta_row = P_LSE2.value, Q_DELTA.value
-        if feature_dtype != torch.bfloat16:
-            scale_row = Q_DO_FACTOR.value
-    elif rows is not None:
-        scale_row = Q_FACTOR.value
+    if rows is not None:
+        if tuple(rows.shape) != (ROW_VECTORS.value, heads, padded):
+            raise ValueError(f"rows must be [{ROW_VECTORS.value}, {heads}, {padded}] (vectors, heads, padded "
+                             f"tokens), got {list(rows.shape)}")
+        if not with_delta or query is None:
+            raise ValueError("the per-query vectors are written by dO's pass (out and lse) from Q's scales (query)")
     _quantize_kernel[grid](
         x, offsets, tiles,
         result.feature if feature else unused, result.feature_scale if feature else unused,
-        result.token_scale if feature else unused, unused if query_scale is None else query_scale,
+        result.token_scale if feature else unused, *((unused,) * 2 if query is None else
+                                                      (query.token_scale, query.feature_scale)),
         amax if channel_scales else unused, result.sequence if sequence else unused,
         result.sequence_scale if channel_scales else unused,
         out if with_delta else unused, lse if with_delta else unused, unused if dlse is None else dlse,
@@ -362,7 +353,7 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
         total, padded, batch, GROUP=group, CHUNK=PRODUCER_CHUNK, NORMALIZE_TOKENS=normalize_tokens,
         FEATURE=feature, FEATURE_GROUP=feature_group, SEQUENCE=sequence, DELTA=with_delta,
         DLSE=with_delta and dlse is not None, ORDER=order,
-        SCALE_ROW=scale_row, P_LSE2_ROW=p_lse2_row, Q_DELTA_ROW=q_delta_row,
+        ROWS=rows is not None, DO_FACTOR=rows is not None and feature_dtype != torch.bfloat16,
         INTERPRET=fp8.INTERPRETED,
         num_warps=quantize_warps(feature_group), **shape,
     )
@@ -374,14 +365,15 @@ class Prepared:
 
     def __init__(self, dout, q, k, v, out, lse, offsets_q, offsets_k, query_order=NATURAL_ORDER,
                  key_order=NATURAL_ORDER, do_order=None, do_sequence_dtype=torch.float8_e4m3fn, exact_scores=False,
-                 row_vectors=False, query_scale_tokens=1, value_scale_tokens=1, dlse=None, kv=None):
+                 row_vectors=False, query_scale_tokens=1, value_scale_tokens=1, dlse=None, q_copies=None,
+                 kv_copies=None):
         """``query_order``: token order of Q^T and of dO^T unless ``do_order`` is given, ``key_order``: of
         K^T (``layout`` orders); ``do_sequence_dtype``: dO^T's (e4m3, or fp16 holding its e4m3 values);
         ``row_vectors``: also the Hopper kernel's per-query vectors in padded slots (``self.rows``);
         ``query_scale_tokens``, ``value_scale_tokens``: tokens sharing a scale in Q's and V's e4m3 feature copies
         (``quantize_for_backward``'s ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the
-        LSE's gradient, taken into Delta (None: none); ``kv``: K's and V's copies (``Quantized``) as this
-        preparation makes them, written beforehand by the forward's passes
+        LSE's gradient, taken into Delta (None: none); ``q_copies``, ``kv_copies``: Q's, and K's and V's, copies
+        (``Quantized``) as this preparation makes them, written beforehand by the forward's passes
         (``rebase.take_backward_copies``), or None."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
@@ -405,13 +397,15 @@ class Prepared:
             self.rows = torch.empty(ROW_VECTORS.value, self.heads_q, self.padded_q, dtype=torch.float32,
                                     device=q.device)
         self.query_scale_tokens = 1 if exact_scores else query_scale_tokens
-        self.q, _, _ = quantize_for_backward(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
-                                             order=query_order, feature_dtype=score_dtype,
-                                             feature_group=self.query_scale_tokens, tiles=self.tiles_q,
-                                             rows=self.rows)
+        if q_copies is not None:
+            self.q = q_copies
+        else:
+            self.q, _, _ = quantize_for_backward(q, offsets_q, feature=True, sequence=True, normalize_tokens=True,
+                                                 order=query_order, feature_dtype=score_dtype,
+                                                 feature_group=self.query_scale_tokens, tiles=self.tiles_q)
         self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
-        if kv is not None:
-            self.k, self.v = kv
+        if kv_copies is not None:
+            self.k, self.v = kv_copies
         else:
             self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                                  order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
@@ -421,7 +415,7 @@ class Prepared:
         self.do, self.delta, self.lse2 = quantize_for_backward(
             dout, offsets_q, feature=True, sequence=True, group=group, out=out, lse=lse, dlse=dlse, order=self.do_order,
             feature_dtype=score_dtype, sequence_dtype=do_sequence_dtype, tiles=self.tiles_q, rows=self.rows,
-            query_scale=self.q.token_scale)
+            query=self.q)
 
     @cached_property
     def max_len_q(self) -> int:

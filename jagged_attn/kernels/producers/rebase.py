@@ -44,7 +44,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from ..common import fp8, layout, reuse
-from .backward_passes import Quantized, token_normalized_copies
+from .backward_passes import Quantized, token_normalized_copies, token_scale_byte
 from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
@@ -59,9 +59,10 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # heads and channel chunks fastest (``layout.slot_program``), measured faster than work slots fastest
 # (the configs re-swept in that order).
 FEATURE_CONFIG = dict(num_warps=4)
-# K's feature pass that also writes the backward's copies of K (``COPIES``): its third loop, over chunks of half
-# FEATURE_CHUNK tokens, takes 94 registers at eight warps (166 at four; whole chunks, 174 and 255) for sm_90;
-# so launched, it moves its bytes at the rate of the pass without copies (docs/perf-history.md v64).
+# A feature pass that also writes the backward's copies of K or Q (``COPIES``): its last loop, over chunks of
+# half FEATURE_CHUNK tokens, takes 64 registers at eight warps for sm_90 (96 at four; Q's, 79 and 168), 94 and
+# 166 where the padded total is not known to be a multiple of 16 (whole chunks: 174 and 255); K's pass so
+# launched moves its bytes at the rate of the pass without copies (docs/perf-history.md v64).
 FEATURE_COPIES_CONFIG = dict(num_warps=8)
 # Tokens a feature-axis program quantizes from bf16 at a time (an exponent group of the whole slot is
 # first read for its maximum, then chunk by chunk again); from MXFP8 (56 registers a whole slot) it takes
@@ -161,19 +162,21 @@ def dequantized_feature_rows(
 @triton.jit
 def _rebase_feature_kernel(
     src, scales, offsets, total, work, dst, factor, nonfinite, n_groups, scale_bytes_per_head, n_col_tiles,
-    copy_feature, copy_scale, copy_sequence, padded,
+    copy_feature, copy_scale, copy_token_scale, copy_sequence, padded,
     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     FROM_HIGH_PRECISION: tl.constexpr, FLOOR: tl.constexpr, EXACT: tl.constexpr, CHECK_FINITE: tl.constexpr,
-    COPIES: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
+    COPIES: tl.constexpr, COPY_GROUP: tl.constexpr, ORDER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (BLOCK_T-token tile, head), CHUNK tokens at a time. A chunk holds whole exponent groups,
     or (from high-precision values) GROUP is the whole tile: its byte then comes from a first read of
     the tile's maximum (the byte of the largest element is the largest block byte: the rule is
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
     CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``.
-    COPIES (high-precision values): also the backward's two copies of K (``token_normalized_copies``): e4m3
-    ``copy_feature [total, H, D]`` with each token's scale in ``copy_scale [H, total]``, and the transposed
-    ``copy_sequence [H, D, padded]``, its tokens in ORDER, the whole slot (zeros past the end)."""
+    COPIES (high-precision values): also the backward's two copies of the operand (Q's or K's), each token
+    over its own scale (``token_normalized_copies``): e4m3 ``copy_feature [total, H, D]`` with its scales in
+    ``copy_scale [H, total]``, and the transposed ``copy_sequence [H, D, padded]``, its tokens in ORDER, the
+    whole slot (zeros past the end); with COPY_GROUP = CHUNK the feature copy instead on one scale per CHUNK
+    tokens from the sequence's start (the largest of their own), each token's own in ``copy_token_scale``."""
     seq, tile, start, length, _, head = claimed_tile(work, offsets, total, BLOCK_T, HEADS)
     if seq < 0:
         return
@@ -216,19 +219,34 @@ def _rebase_feature_kernel(
             largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
                                                                         length, HEADS, D), INTERPRET),
                                  propagate_nan=tl.PropagateNan.ALL)
-    if COPIES:  # the tile read a third time (from L2, just read), half chunks: no registers held across
+    if COPIES:  # the tile read again (from L2, just read), in half chunks: no registers held across
         tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
-        COPY_CHUNK: tl.constexpr = CHUNK // 2
-        for chunk in range(tile * (BLOCK_T // COPY_CHUNK), (tile + 1) * (BLOCK_T // COPY_CHUNK)):
-            rows = chunk * COPY_CHUNK + tl.arange(0, COPY_CHUNK)
-            x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
-            token_byte, feature, paired = token_normalized_copies(x, INTERPRET)
-            tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
-                     feature.to(copy_feature.dtype.element_ty), mask=(rows < length)[:, None])
-            tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(token_byte),
-                     mask=rows < length)
-            layout.store_sequence_copy(copy_sequence, paired.to(copy_sequence.dtype.element_ty), head,
-                                       tl.arange(0, D), start, seq, rows, padded, D, ORDER)
+        tl.static_assert(COPY_GROUP == 1 or COPY_GROUP == CHUNK, "a copy's scale group is a token or a chunk")
+        HALF: tl.constexpr = CHUNK // 2
+        for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
+            group_byte = 0
+            if COPY_GROUP > 1:  # the chunk's largest token byte, from one more read of its halves
+                for half in tl.static_range(2):
+                    rows = chunk * CHUNK + half * HALF + tl.arange(0, HALF)
+                    x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
+                    group_byte = tl.maximum(group_byte, tl.max(token_scale_byte(x), axis=0))
+            for half in tl.static_range(2):
+                rows = chunk * CHUNK + half * HALF + tl.arange(0, HALF)
+                in_seq = rows < length
+                x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
+                token_byte, feature, paired = token_normalized_copies(x, INTERPRET)
+                feature_byte = token_byte
+                if COPY_GROUP > 1:
+                    feature_byte = tl.zeros_like(token_byte) + group_byte
+                    feature = fp8.to_e4m3(x * layout.scale_factor(group_byte), INTERPRET)
+                    tl.store(copy_token_scale + head.to(tl.int64) * total + start + rows,
+                             layout.scale_value(token_byte), mask=in_seq)
+                tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
+                         feature.to(copy_feature.dtype.element_ty), mask=in_seq[:, None])
+                tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(feature_byte),
+                         mask=in_seq)
+                layout.store_sequence_copy(copy_sequence, paired.to(copy_sequence.dtype.element_ty), head,
+                                           tl.arange(0, D), start, seq, rows, padded, D, ORDER)
     if EXACT:
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
@@ -364,9 +382,10 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
 
 
 def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite=None, copies=None,
-                    order=layout.NATURAL_ORDER):
-    """``copies``: a :class:`Quantized` with K's backward copies allocated (feature, feature_scale, sequence),
-    written in the same pass, the transposed one's tokens in ``order``; None: none."""
+                    order=layout.NATURAL_ORDER, copy_group=1):
+    """``copies``: a :class:`Quantized` with the backward's copies of Q or K allocated (:func:`_token_copies`),
+    written in the same pass, the feature copy on one scale per ``copy_group`` tokens, the transposed one's
+    tokens in ``order``; None: none."""
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
@@ -380,11 +399,11 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite
         unused = factor  # any tensor: Triton needs a pointer for outputs a launch does not write
         _rebase_feature_kernel[(work.shape[0] * heads,)](
             values, scales, offsets, total, work, data, factor, factor if nonfinite is None else nonfinite, n_groups,
-            per_head, col_tiles, *((unused,) * 3 if copies is None else (copies.feature, copies.feature_scale,
-                                                                          copies.sequence)),
+            per_head, col_tiles, *((unused,) * 4 if copies is None else (copies.feature, copies.feature_scale,
+                                                                          copies.token_scale, copies.sequence)),
             padded_total(total, offsets.numel() - 1), HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk,
             GROUP=group, FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
-            CHECK_FINITE=nonfinite is not None, COPIES=copies is not None, ORDER=order,
+            CHECK_FINITE=nonfinite is not None, COPIES=copies is not None, COPY_GROUP=copy_group, ORDER=order,
             INTERPRET=fp8.INTERPRETED, **(FEATURE_CONFIG if copies is None else FEATURE_COPIES_CONFIG),
         )
     return data, factor
@@ -441,13 +460,30 @@ def rebase_feature(mx: MXFP8Jagged, group: int = 1, exact: bool = False) -> tupl
 
 
 def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, rounding: str = "rceil", group: int = 1,
-                            exact: bool = False, nonfinite: torch.Tensor | None = None):
+                            exact: bool = False, nonfinite: torch.Tensor | None = None, keep_for: dict | None = None):
     """Like ``rebase_feature(quantize_mxfp8(values, offsets, axis="feature", rounding=rounding), group, exact)``,
     in one pass over bf16/fp16/fp32 ``values [total, H, D]``. ``nonfinite`` (fp32 ``[1]`` holding 0): set to
-    NaN or Inf if ``values`` hold any (the producers' flag, ``quantize_mxfp8_kernel``'s)."""
+    NaN or Inf if ``values`` hold any (the producers' flag, ``quantize_mxfp8_kernel``'s).
+
+    ``keep_for`` (rceil, not ``exact``; ``values`` are Q): the ``preparation`` (``Prepared``'s options) of a
+    backward to come. The same pass then also writes that backward's copies of Q, the bytes
+    ``quantize_for_backward`` makes (Q's e4m3 feature copy on one scale per ``query_scale_tokens`` tokens,
+    1 or ``FEATURE_CHUNK``, and Q^T in ``query_order``, each token over its own scale), and keeps them for it
+    (:func:`take_backward_copies`)."""
     rounding = mx_format.check_rounding(rounding)
-    return _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]),
-                           nonfinite)
+    copies, order, copy_group = None, layout.NATURAL_ORDER, 1
+    if keep_for is not None:
+        if exact or rounding != "rceil":
+            raise ValueError("the backward's copies of Q are e4m3 on rceil scales: keep_for needs exact=False, rceil")
+        order, copy_group = _query_copies_spec(keep_for)
+        if copy_group not in (1, FEATURE_CHUNK):
+            raise ValueError(f"Q's copy shares its scale among 1 or {FEATURE_CHUNK} tokens, got {copy_group}")
+        copies = _token_copies(values, padded_total(values.shape[0], offsets.numel() - 1), copy_group > 1)
+    operand = _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]),
+                              nonfinite, copies, order, copy_group)
+    if keep_for is not None:
+        reuse.keep((values, offsets), "backward copies of Q", (_query_copies_spec(keep_for), copies))
+    return operand
 
 
 def rebase_sequence(mx: MXFP8Jagged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,22 +522,34 @@ def kept_rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = Fal
                          lambda: rebase_kv(k, v, group, exact, v_order))
 
 
+def _token_copies(x: torch.Tensor, padded: int, grouped: bool) -> Quantized:
+    """Unwritten e4m3 copies of Q or K ``[total, H, D]`` as ``backward_passes.Prepared`` reads them: the
+    feature copy with its scales (``grouped``: shared by tokens, each token's own beside them) and the
+    transposed copy ``[H, D, padded]``."""
+    (total, heads, dim), f32 = x.shape, dict(dtype=torch.float32, device=x.device)
+    copies = Quantized(feature=torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                       feature_scale=torch.empty(heads, total, **f32),
+                       sequence=torch.empty(heads, dim, padded, dtype=torch.float8_e4m3fn, device=x.device))
+    copies.token_scale = torch.empty(heads, total, **f32) if grouped else copies.feature_scale
+    return copies
+
+
 def _backward_copies(k: torch.Tensor, v: torch.Tensor, padded: int) -> tuple[Quantized, Quantized]:
-    """Unwritten e4m3 copies of K and V as ``backward_passes.Prepared`` reads them: K's feature copy with its
-    per-token scales and K^T ``[H, D, padded]``; V's feature copy with its scales."""
-    (total, heads, dim), f32 = k.shape, dict(dtype=torch.float32, device=k.device)
-    k_copies = Quantized(feature=torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=k.device),
-                         feature_scale=torch.empty(heads, total, **f32),
-                         sequence=torch.empty(heads, dim, padded, dtype=torch.float8_e4m3fn, device=k.device))
-    k_copies.token_scale = k_copies.feature_scale
+    """Unwritten e4m3 copies of K and V as ``backward_passes.Prepared`` reads them: K's (:func:`_token_copies`,
+    a scale per token); V's feature copy with its scales."""
     v_copies = Quantized(feature=torch.empty(v.shape, dtype=torch.float8_e4m3fn, device=v.device),
-                         feature_scale=torch.empty(v.shape[1], total, **f32))
-    return k_copies, v_copies
+                         feature_scale=torch.empty(v.shape[1], v.shape[0], dtype=torch.float32, device=v.device))
+    return _token_copies(k, padded, grouped=False), v_copies
 
 
 def _copies_spec(preparation: dict) -> tuple[int, int]:
     """What a backward's copies of K and V depend on in its ``preparation`` (``Prepared``'s options)."""
     return int(preparation["key_order"]), int(preparation["value_scale_tokens"])
+
+
+def _query_copies_spec(preparation: dict) -> tuple[int, int]:
+    """What a backward's copies of Q depend on in its ``preparation``: (Q^T's token order, tokens a scale)."""
+    return int(preparation["query_order"]), int(preparation["query_scale_tokens"])
 
 
 def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, group: int, exact: bool = False,
@@ -531,9 +579,11 @@ def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, 
     return operands
 
 
-def take_backward_copies(k, v, offsets, preparation: dict):
-    """The copies of K and V that :func:`quantize_rebase_kv` kept for the backward of these ``k``, ``v``,
-    ``offsets``, if they were made for this backward's ``preparation`` (else None); no longer kept either way."""
-    kept = reuse.take((k, v, offsets), "backward copies")
-    return kept[1] if kept is not None and kept[0] == _copies_spec(preparation) else None
+def take_backward_copies(q, k, v, offsets_q, offsets_k, preparation: dict):
+    """(Q's copies, K's and V's) that :func:`quantize_rebase_feature` and :func:`quantize_rebase_kv` kept for the
+    backward of these tensors, each None unless made for this backward's ``preparation``; no longer kept."""
+    kept_q = reuse.take((q, offsets_q), "backward copies of Q")
+    kept_kv = reuse.take((k, v, offsets_k), "backward copies")
+    return (kept_q[1] if kept_q is not None and kept_q[0] == _query_copies_spec(preparation) else None,
+            kept_kv[1] if kept_kv is not None and kept_kv[0] == _copies_spec(preparation) else None)
 

@@ -1057,10 +1057,11 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     if offsets_q.numel() == 1:
         return
     options = preparation(deterministic)
-    # K's and V's copies from the forward's passes, if it wrote them for this preparation (FP8 scores only).
-    kept = take_backward_copies(k, v, offsets_k, options)
-    prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=scores == "bf16", dlse=dlse,
-                    kv=None if scores == "bf16" else kept, **options)
+    # Q's, K's and V's copies from the forward's passes, if it wrote them for this preparation (FP8 scores only).
+    kept_q, kept_kv = take_backward_copies(q, k, v, offsets_q, offsets_k, options)
+    exact = scores == "bf16"
+    prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact, dlse=dlse,
+                    q_copies=None if exact else kept_q, kv_copies=None if exact else kept_kv, **options)
     if prep.total_k > 0:
         dq_accum = dq_accumulator(prep, dq.device, adds=not deterministic)
         launch(prep, dq_accum, dk, dv, softmax_scale=softmax_scale, causal=causal, accumulate_dq=not deterministic)

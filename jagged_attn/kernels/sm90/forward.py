@@ -470,16 +470,17 @@ def attention_forward_hp(q, k, v, offsets_q, offsets_k, *, causal: bool, softmax
     """Like :func:`attention_forward` for bf16/fp16 q, k, v (``portable.forward.attention_forward_hp``'s
     arguments): Q quantized and rebased by one pass, K and V by another. With ``check_finite`` the passes
     flag NaN/Inf in what they read (``mxfp8.checked_after``). ``for_backward`` (FP8 scores): the K and V
-    passes also write the backward's copies of them and keep them for it (``rebase.quantize_rebase_kv``'s
-    ``keep_for``), so that the backward does not read K and V again."""
+    passes, and Q's, also write the backward's copies of them and keep them for it (``keep_for`` of
+    ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``), so that the backward does not read Q, K
+    and V again."""
     config = tile_config(q.shape[-1], scores)
     exact = scores == "bf16"
     flags = torch.zeros(3, dtype=torch.float32, device=q.device) if check_finite else None  # q, k, v
     q_flag, kv_flags = (None, None) if flags is None else (flags[:1], flags[1:])
-    q_operand = quantize_rebase_feature(q, offsets_q, group=1, exact=exact, nonfinite=q_flag)
+    keep_for = sm90_backward.preparation() if for_backward and not exact else None
+    q_operand = quantize_rebase_feature(q, offsets_q, group=1, exact=exact, nonfinite=q_flag, keep_for=keep_for)
     kv_operands = quantize_rebase_kv(k, v, offsets_k, config["BLOCK_N"], exact=exact, v_order=layout.PV_ORDER,
-                                     nonfinite=kv_flags,
-                                     keep_for=sm90_backward.preparation() if for_backward and not exact else None)
+                                     nonfinite=kv_flags, keep_for=keep_for)
     return checked_after(flags, ("q", "k", "v"), lambda: forward_rebased(
         *q_operand, *kv_operands, offsets_q, offsets_k, causal=causal, softmax_scale=softmax_scale,
         out_dtype=q.dtype if out_dtype is None else out_dtype, config=config))
