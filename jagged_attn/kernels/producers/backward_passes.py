@@ -130,7 +130,8 @@ def token_scale_byte(x):
 def token_normalized_copies(x, INTERPRET: tl.constexpr):
     """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale: (the
     scale bytes ``[rows]``, the feature copy's e4m3 values, the same values paired for the transposed
-    copy's store). The forward's K pass writes them too (``rebase.quantize_rebase_kv`` with ``keep_for``)."""
+    copy's store; Q's transposed copy is the same). The forward's K and Q passes write them too (``keep_for``
+    of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
     token_byte = token_scale_byte(x)
     normalized = x * scale_factor(token_byte)[:, None]
     return token_byte, fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
