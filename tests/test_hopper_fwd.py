@@ -337,7 +337,7 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, c
     spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
     in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17),
     also where it writes the backward's copies of K or Q (``copies``: each chunk read again; Q's copy on one
-    scale per chunk, so once more for the chunk's largest token)."""
+    scale per chunk, the largest of the chunk's bytes its rebase formed)."""
     names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,

@@ -127,14 +127,13 @@ def token_scale_byte(x):
 
 
 @triton.jit
-def token_normalized_copies(x, INTERPRET: tl.constexpr):
-    """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale: (the
-    scale bytes ``[rows]``, the feature copy's e4m3 values, the same values paired for the transposed
-    copy's store; Q's transposed copy is the same). The forward's K and Q passes write them too (``keep_for``
-    of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
-    token_byte = token_scale_byte(x)
+def token_normalized_copies(x, token_byte, INTERPRET: tl.constexpr):
+    """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale (``token_byte``
+    ``[rows]``, :func:`token_scale_byte`): (the feature copy's e4m3 values, the same values paired for the
+    transposed copy's store; Q's transposed copy is the same). The forward's K and Q passes write them too
+    (``keep_for`` of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
     normalized = x * scale_factor(token_byte)[:, None]
-    return token_byte, fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
+    return fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
 
 
 @triton.jit
@@ -230,7 +229,7 @@ def _quantize_kernel(
                 tl.store(padded_rows + Q_DO_FACTOR * HEADS * padded, scale_value(byte) * q_factor)
         if SEQUENCE:  # the whole slot, zeros past the end
             if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
-                _, _, data = token_normalized_copies(x, INTERPRET)
+                _, data = token_normalized_copies(x, token_byte, INTERPRET)
             else:
                 data = fp8.to_e4m3(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,
@@ -280,6 +279,23 @@ class Quantized:
         self.feature, self.feature_scale, self.token_scale = feature, feature_scale, token_scale
         self.sequence, self.sequence_scale = sequence, sequence_scale
 
+    @classmethod
+    def unwritten(cls, x, padded: int, *, feature_dtype=None, feature_group: int = 1, sequence_dtype=None):
+        """Empty buffers for the copies of ``x [total, H, D]`` a producer writes: the feature copy in
+        ``feature_dtype`` with its scales ``[H, total]`` and each token's own (the same tensor unless
+        ``feature_group`` tokens share a scale), and the transposed copy ``[H, D, padded]`` in ``sequence_dtype``
+        (None: no such copy); no sequence scales."""
+        (total, heads, dim), device = x.shape, x.device
+        copies = cls()
+        if feature_dtype is not None:
+            copies.feature = torch.empty(x.shape, dtype=feature_dtype, device=device)
+            copies.feature_scale = torch.empty(heads, total, dtype=torch.float32, device=device)
+            copies.token_scale = (copies.feature_scale if feature_group == 1 else
+                                  torch.empty(heads, total, dtype=torch.float32, device=device))
+        if sequence_dtype is not None:
+            copies.sequence = torch.empty(heads, dim, padded, dtype=sequence_dtype, device=device)
+        return copies
+
 
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
                           dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, feature_group=1,
@@ -312,17 +328,12 @@ def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=Fal
     batch = offsets.numel() - 1
     padded = padded_total(total, batch)
     f32 = dict(dtype=torch.float32, device=x.device)
-    result = Quantized()
+    result = Quantized.unwritten(x, padded, feature_dtype=feature_dtype if feature else None,
+                                 feature_group=feature_group, sequence_dtype=sequence_dtype if sequence else None)
     with_delta = out is not None
     delta = torch.empty(heads, total, **f32) if with_delta else None
     lse2 = torch.empty(heads, total, **f32) if with_delta else None
-    if feature:
-        result.feature = torch.empty(x.shape, dtype=feature_dtype, device=x.device)
-        result.feature_scale = torch.empty(heads, total, **f32)
-        result.token_scale = result.feature_scale if feature_group == 1 else torch.empty(heads, total, **f32)
     channel_scales = sequence and not normalize_tokens
-    if sequence:
-        result.sequence = torch.empty(heads, dim, padded, dtype=sequence_dtype, device=x.device)
     if channel_scales:
         result.sequence_scale = torch.zeros(heads // group, batch, dim, **f32)
     if total == 0:

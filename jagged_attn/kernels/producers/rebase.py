@@ -60,7 +60,7 @@ TOKENS_PER_PROGRAM = SLOT_TOKENS
 # (the configs re-swept in that order).
 FEATURE_CONFIG = dict(num_warps=4)
 # A feature pass that also writes the backward's copies of K or Q (``COPIES``): its last loop, over chunks of
-# half FEATURE_CHUNK tokens, takes 64 registers at eight warps for sm_90 (96 at four; Q's, 79 and 168), 94 and
+# half FEATURE_CHUNK tokens, takes 64 registers at eight warps for sm_90 (96 at four; Q's, 80 and 128), 94 and
 # 166 where the padded total is not known to be a multiple of 16 (whole chunks: 174 and 255); K's pass so
 # launched moves its bytes at the rate of the pass without copies (docs/perf-history.md v64).
 FEATURE_COPIES_CONFIG = dict(num_warps=8)
@@ -175,8 +175,13 @@ def _rebase_feature_kernel(
     COPIES (high-precision values): also the backward's two copies of the operand (Q's or K's), each token
     over its own scale (``token_normalized_copies``): e4m3 ``copy_feature [total, H, D]`` with its scales in
     ``copy_scale [H, total]``, and the transposed ``copy_sequence [H, D, padded]``, its tokens in ORDER, the
-    whole slot (zeros past the end); with COPY_GROUP = CHUNK the feature copy instead on one scale per CHUNK
-    tokens from the sequence's start (the largest of their own), each token's own in ``copy_token_scale``."""
+    whole slot (zeros past the end); with COPY_GROUP = CHUNK (and GROUP <= CHUNK) the feature copy instead on
+    one scale per CHUNK tokens from the sequence's start, the largest of their own (the largest of the chunk's
+    group bytes: the rule is monotone), each token's own in ``copy_token_scale``."""
+    if COPIES:
+        tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
+        tl.static_assert(COPY_GROUP == 1 or (COPY_GROUP == CHUNK and GROUP <= CHUNK),
+                         "a copy's scale group is a token or a chunk of whole exponent groups")
     seq, tile, start, length, _, head = claimed_tile(work, offsets, total, BLOCK_T, HEADS)
     if seq < 0:
         return
@@ -195,7 +200,9 @@ def _rebase_feature_kernel(
         tile_byte = layout.scale_byte_of_amax(amax, FLOOR)
         tl.store(factor + head.to(tl.int64) * n_groups + (slot_start + tile * BLOCK_T) // GROUP,
                  layout.scale_value(tile_byte))
-    for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
+    CHUNKS: tl.constexpr = BLOCK_T // CHUNK
+    chunk_bytes = tl.zeros([CHUNKS], tl.int32)  # each chunk's largest group byte, for COPY_GROUP = CHUNK
+    for chunk in range(tile * CHUNKS, (tile + 1) * CHUNKS):
         rows = chunk * CHUNK + tl.arange(0, CHUNK)
         if EXACT:
             rebased = dequantized_feature_rows(
@@ -213,45 +220,53 @@ def _rebase_feature_kernel(
             )
             groups = (slot_start + chunk * CHUNK) // GROUP + tl.arange(0, CHUNK // GROUP)
             tl.store(factor + head.to(tl.int64) * n_groups + groups, layout.scale_value(group_byte))
+            chunk_bytes = tl.where(tl.arange(0, CHUNKS) == chunk % CHUNKS, tl.max(group_byte, axis=0), chunk_bytes)
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
         if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
             largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
                                                                         length, HEADS, D), INTERPRET),
                                  propagate_nan=tl.PropagateNan.ALL)
-    if COPIES:  # the tile read again (from L2, just read), in half chunks: no registers held across
-        tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
-        tl.static_assert(COPY_GROUP == 1 or COPY_GROUP == CHUNK, "a copy's scale group is a token or a chunk")
-        HALF: tl.constexpr = CHUNK // 2
-        for chunk in range(tile * (BLOCK_T // CHUNK), (tile + 1) * (BLOCK_T // CHUNK)):
-            group_byte = 0
-            if COPY_GROUP > 1:  # the chunk's largest token byte, from one more read of its halves
-                for half in tl.static_range(2):
-                    rows = chunk * CHUNK + half * HALF + tl.arange(0, HALF)
-                    x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
-                    group_byte = tl.maximum(group_byte, tl.max(token_scale_byte(x), axis=0))
-            for half in tl.static_range(2):
-                rows = chunk * CHUNK + half * HALF + tl.arange(0, HALF)
-                in_seq = rows < length
-                x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
-                token_byte, feature, paired = token_normalized_copies(x, INTERPRET)
-                feature_byte = token_byte
-                if COPY_GROUP > 1:
-                    feature_byte = tl.zeros_like(token_byte) + group_byte
-                    feature = fp8.to_e4m3(x * layout.scale_factor(group_byte), INTERPRET)
-                    tl.store(copy_token_scale + head.to(tl.int64) * total + start + rows,
-                             layout.scale_value(token_byte), mask=in_seq)
-                tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
-                         feature.to(copy_feature.dtype.element_ty), mask=in_seq[:, None])
-                tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(feature_byte),
-                         mask=in_seq)
-                layout.store_sequence_copy(copy_sequence, paired.to(copy_sequence.dtype.element_ty), head,
-                                           tl.arange(0, D), start, seq, rows, padded, D, ORDER)
+    if COPIES:  # after the rebase: no registers of its loop held across
+        for chunk in range(tile * CHUNKS, (tile + 1) * CHUNKS):
+            chunk_byte = tl.max(tl.where(tl.arange(0, CHUNKS) == chunk % CHUNKS, chunk_bytes, 0), axis=0)
+            _store_backward_copies(src, head, seq, start, length, chunk, chunk_byte, total, padded, copy_feature,
+                                   copy_scale, copy_token_scale, copy_sequence, HEADS, D, CHUNK, COPY_GROUP, ORDER,
+                                   INTERPRET)
     if EXACT:
         groups = (slot_start + tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
         tl.store(factor + head.to(tl.int64) * n_groups + groups, tl.full((BLOCK_T // GROUP,), 1.0, dtype=tl.float32))
     if CHECK_FINITE:
         flag_nonfinite(nonfinite, largest)
+
+
+@triton.jit
+def _store_backward_copies(
+    src, head, seq, start, length, chunk, chunk_byte, total, padded,
+    copy_feature, copy_scale, copy_token_scale, copy_sequence,
+    HEADS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, COPY_GROUP: tl.constexpr, ORDER: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One chunk of :func:`_rebase_feature_kernel`'s COPIES, the chunk read again (from L2, just read) in
+    halves: no registers held across. ``chunk_byte``: the chunk's largest token byte (COPY_GROUP > 1)."""
+    HALF: tl.constexpr = CHUNK // 2
+    for half in tl.static_range(2):
+        rows = chunk * CHUNK + half * HALF + tl.arange(0, HALF)
+        in_seq = rows < length
+        x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
+        token_byte = token_scale_byte(x)
+        feature, paired = token_normalized_copies(x, token_byte, INTERPRET)
+        feature_byte = token_byte
+        if COPY_GROUP > 1:
+            feature_byte = tl.zeros_like(token_byte) + chunk_byte
+            feature = fp8.to_e4m3(x * layout.scale_factor(chunk_byte), INTERPRET)
+            tl.store(copy_token_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(token_byte),
+                     mask=in_seq)
+        tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
+                 feature.to(copy_feature.dtype.element_ty), mask=in_seq[:, None])
+        tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(feature_byte), mask=in_seq)
+        layout.store_sequence_copy(copy_sequence, paired.to(copy_sequence.dtype.element_ty), head, tl.arange(0, D),
+                                   start, seq, rows, padded, D, ORDER)
 
 
 @triton.jit
@@ -471,18 +486,18 @@ def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, roundin
     1 or ``FEATURE_CHUNK``, and Q^T in ``query_order``, each token over its own scale), and keeps them for it
     (:func:`take_backward_copies`)."""
     rounding = mx_format.check_rounding(rounding)
-    copies, order, copy_group = None, layout.NATURAL_ORDER, 1
+    copies, spec = None, (layout.NATURAL_ORDER, 1)
     if keep_for is not None:
         if exact or rounding != "rceil":
             raise ValueError("the backward's copies of Q are e4m3 on rceil scales: keep_for needs exact=False, rceil")
-        order, copy_group = _query_copies_spec(keep_for)
-        if copy_group not in (1, FEATURE_CHUNK):
-            raise ValueError(f"Q's copy shares its scale among 1 or {FEATURE_CHUNK} tokens, got {copy_group}")
-        copies = _token_copies(values, padded_total(values.shape[0], offsets.numel() - 1), copy_group > 1)
+        spec = _query_copies_spec(keep_for)
+        if spec[1] not in (1, FEATURE_CHUNK):
+            raise ValueError(f"Q's copy shares its scale among 1 or {FEATURE_CHUNK} tokens, got {spec[1]}")
+        copies = _token_copies(values, padded_total(values.shape[0], offsets.numel() - 1), spec[1])
     operand = _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]),
-                              nonfinite, copies, order, copy_group)
+                              nonfinite, copies, *spec)
     if keep_for is not None:
-        reuse.keep((values, offsets), "backward copies of Q", (_query_copies_spec(keep_for), copies))
+        reuse.keep((values, offsets), "backward copies of Q", (spec, copies))
     return operand
 
 
@@ -522,24 +537,20 @@ def kept_rebase_kv(k: MXFP8Jagged, v: MXFP8Jagged, group: int, exact: bool = Fal
                          lambda: rebase_kv(k, v, group, exact, v_order))
 
 
-def _token_copies(x: torch.Tensor, padded: int, grouped: bool) -> Quantized:
+def _token_copies(x: torch.Tensor, padded: int, feature_group: int) -> Quantized:
     """Unwritten e4m3 copies of Q or K ``[total, H, D]`` as ``backward_passes.Prepared`` reads them: the
-    feature copy with its scales (``grouped``: shared by tokens, each token's own beside them) and the
-    transposed copy ``[H, D, padded]``."""
-    (total, heads, dim), f32 = x.shape, dict(dtype=torch.float32, device=x.device)
-    copies = Quantized(feature=torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-                       feature_scale=torch.empty(heads, total, **f32),
-                       sequence=torch.empty(heads, dim, padded, dtype=torch.float8_e4m3fn, device=x.device))
-    copies.token_scale = torch.empty(heads, total, **f32) if grouped else copies.feature_scale
-    return copies
+    feature copy on one scale per ``feature_group`` tokens, and the transposed copy ``[H, D, padded]``."""
+    return Quantized.unwritten(x, padded, feature_dtype=torch.float8_e4m3fn, feature_group=feature_group,
+                               sequence_dtype=torch.float8_e4m3fn)
 
 
 def _backward_copies(k: torch.Tensor, v: torch.Tensor, padded: int) -> tuple[Quantized, Quantized]:
     """Unwritten e4m3 copies of K and V as ``backward_passes.Prepared`` reads them: K's (:func:`_token_copies`,
-    a scale per token); V's feature copy with its scales."""
-    v_copies = Quantized(feature=torch.empty(v.shape, dtype=torch.float8_e4m3fn, device=v.device),
-                         feature_scale=torch.empty(v.shape[1], v.shape[0], dtype=torch.float32, device=v.device))
-    return _token_copies(k, padded, grouped=False), v_copies
+    a scale per token); V's feature copy with its scales, and no token's own scale (the forward's V passes do not
+    form it, and no backward kernel reads V's)."""
+    v_copies = Quantized.unwritten(v, padded, feature_dtype=torch.float8_e4m3fn)
+    v_copies.token_scale = None
+    return _token_copies(k, padded, feature_group=1), v_copies
 
 
 def _copies_spec(preparation: dict) -> tuple[int, int]:
