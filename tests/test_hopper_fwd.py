@@ -376,9 +376,10 @@ def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90(cop
 
 def test_sequence_rebase_from_bf16_compiles_lean_for_sm90():
     """V's rebase pass from bf16 at its launch config, as inference runs it and as training does (also writing
-    V's e4m3 feature copy on 64-token scales), compiles for sm_90 without spills, and the copy costs no shuffles: the 32-token
-    blocks' maxima take as many ``SHFL.BFLY`` with the copy as without it (the copy stored at its plain channel
-    range took 256 against 96, and 56% more instructions: docs/perf-history.md v65-v66)."""
+    V's e4m3 feature copy on 64-token scales), compiles for sm_90 without spills, and the copy costs no
+    shuffles: the 32-token blocks' maxima take as many ``SHFL.BFLY`` with the copy as without it (the copy
+    stored at its plain channel range took 256 against 96, and 56% more instructions: docs/perf-history.md
+    v65-v66)."""
     def shuffles(with_copy):
         names = rebase._rebase_sequence_kernel.arg_names
         constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
