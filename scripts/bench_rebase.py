@@ -4,7 +4,9 @@ For bf16 K and V ``[tokens, heads, dim]`` in four batches of the same token coun
 sequences, one long sequence, ragged lengths up to 4096, 256-token sequences) it times, as ``sm90.forward`` calls them:
 K's feature rebase (exact: bf16 copies of the MX values; fp8: e4m3 on one exponent per KV tile) and
 V's sequence rebase (both passes: exponents, then the transposed e4m3), from the bf16 values and
-from their MXFP8 form (``quantize_mxfp8``: e4m3 data and tiled scales read instead).
+from their MXFP8 form (``quantize_mxfp8``: e4m3 data and tiled scales read instead), and both
+as training runs them (``quantize_rebase_kv(..., keep_for=<the Hopper backward's preparation>)``: the
+same passes also writing the backward's e4m3 copies of K and V, which count among the bytes written).
 GB/s = (input bytes read once + bytes written) / time, against a device-to-device copy that reads
 and writes the same total in the same run (the V rebase reads its input twice: its share of
 copy speed can reach ~3/5 at most). Median of ``triton.testing.do_bench``.
@@ -26,7 +28,9 @@ import torch
 import triton
 from bench_rmsnorm_quantize import copy_ms, median_ms, nbytes, ragged_offsets
 from jagged_attn import quantize_mxfp8
+from jagged_attn.kernels.common import layout
 from jagged_attn.kernels.producers import rebase
+from jagged_attn.kernels.sm90 import backward as sm90_backward
 
 BLOCK_N = 128  # the Gluon forward's KV tile: one K exponent per tile
 
@@ -37,6 +41,16 @@ def batches(tokens: int) -> dict:
     short = torch.arange(0, tokens + 1, 256, dtype=torch.int32)
     return {"dense 8 sequences": dense, "one sequence": torch.tensor([0, tokens], dtype=torch.int32),
             "ragged <= 4096": ragged_offsets(tokens, "cpu"), "256-token sequences": short}
+
+
+def kv_for_training(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> list:
+    """K's and V's forward operands as ``sm90.forward`` makes them when a backward is to come, and the
+    backward's copies of K and V the same passes wrote (taken back, so each call keeps nothing)."""
+    preparation = sm90_backward.preparation()
+    operands = rebase.quantize_rebase_kv(k, v, offsets, BLOCK_N, v_order=layout.PV_ORDER, keep_for=preparation)
+    _, (k_copies, v_copies) = rebase.take_backward_copies(k, k, v, offsets, offsets, preparation)  # (no Q here)
+    return [*operands, k_copies.feature, k_copies.feature_scale, k_copies.sequence, v_copies.feature,
+            v_copies.feature_scale]
 
 
 def output_bytes(producer) -> list:
@@ -98,6 +112,7 @@ def main():
              feature),
             ("V sequence, MX", (mv.data, mv.scales), lambda: rebase.rebase_sequence(mv),
              sequence_configs(args, "mxfp8")),
+            ("K + V, training", (k, v), lambda: kv_for_training(k, v, offsets), sequence_configs(args, "values")),
         )
         for what, sources, producer, configs in producers:
             expected = output_bytes(producer)
