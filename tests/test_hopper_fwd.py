@@ -374,18 +374,19 @@ def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90(cop
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= (128 if copies else 96), report
 
 
-def test_sequence_rebase_from_bf16_compiles_lean_for_sm90():
-    """V's rebase pass from bf16 at its launch config, as inference runs it and as training does (also writing
-    V's e4m3 feature copy on 64-token scales), compiles for sm_90 without spills, and the copy costs no
-    shuffles: the 32-token blocks' maxima take as many ``SHFL.BFLY`` with the copy as without it (the copy
-    stored at its plain channel range took 256 against 96, and 56% more instructions: docs/perf-history.md
-    v65-v66)."""
+@pytest.mark.parametrize("source", ["*bf16", "*fp32"])
+def test_sequence_rebase_from_high_precision_compiles_lean_for_sm90(source):
+    """V's rebase pass from bf16 or fp32 at its launch config, as inference runs it and as training does (also
+    writing V's e4m3 feature copy on 64-token scales), compiles for sm_90 without spills, and the copy costs
+    no shuffles: the 32-token blocks' maxima take as many ``SHFL.BFLY`` with the copy as without it (the
+    copy stored at its plain channel range took 256 against 96 from bf16, and 56% more instructions; in runs
+    of 8 channels, 96 against 32 from fp32: docs/perf-history.md v65-v66)."""
     def shuffles(with_copy):
         names = rebase._rebase_sequence_kernel.arg_names
         constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
                           ORDER=int(layout.PV_ORDER), COPIES=with_copy, VALUE_GROUP=64, INTERPRET=False,
                           BLOCK_D=rebase.SEQUENCE_CONFIGS["values"]["BLOCK_D"])
-        pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", dst="*fp8e4nv",
+        pointers = dict(src=source, scales="*u8", offsets="*i32", work="*i32", exponent="*i32", dst="*fp8e4nv",
                         group_byte="*i32", copy_feature="*fp8e4nv", copy_scale="*fp32")
         signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
         ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_rebase_sequence_kernel", signature, constexprs,

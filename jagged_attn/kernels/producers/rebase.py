@@ -349,13 +349,14 @@ def _sequence_exponent_kernel(
 
 
 @triton.jit
-def _in_runs_of_eight(channels):
-    """``channels`` (a contiguous range) unchanged, as Triton's axis analysis sees them: runs of 8. An e4m3 store
-    at these offsets takes 8-byte vectors, the 8 channels a thread of a bf16 load's layout. At the plain range it
-    takes 16-byte vectors, and the layout it asks for (16 channels a thread, 16 tokens across lanes) is where
-    the whole tile gets computed: each 32-token block's maximum then takes one more shuffle level over twice
-    the channels a thread."""
-    return channels // 8 * 8 + channels % 8
+def _in_load_vectors(channels, src):
+    """``channels`` (a contiguous range) unchanged, as Triton's axis analysis sees them: runs of one 16-byte load
+    of ``src``'s elements (8 bf16 channels). A narrower store at these offsets (V's e4m3 copy) keeps the load's
+    layout, a run a thread. At the plain range it takes 16-byte vectors of its own, and the layout it asks for
+    (16 channels a thread, 16 tokens across lanes) is where the whole tile gets computed: each 32-token block's
+    maximum then takes more shuffle levels over more channels a thread."""
+    RUN: tl.constexpr = 128 // src.dtype.element_ty.primitive_bitwidth
+    return channels // RUN * RUN + channels % RUN
 
 
 @triton.jit
@@ -380,7 +381,7 @@ def _rebase_sequence_kernel(
                            + (layout.padded_seq_start(start, seq) + rows) // VALUE_GROUP)
         feature = fp8.to_e4m3(x * layout.scale_factor(row_byte)[:, None], INTERPRET)
         in_seq = rows < length
-        tl.store(copy_feature + _row_elements(head, start, rows, _in_runs_of_eight(channels), HEADS, D),
+        tl.store(copy_feature + _row_elements(head, start, rows, _in_load_vectors(channels, src), HEADS, D),
                  feature.to(copy_feature.dtype.element_ty), mask=in_seq[:, None])
         tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(row_byte),
                  mask=in_seq & (tl.min(channels, axis=0) == 0))  # by the programs of the first channel chunk
