@@ -127,13 +127,12 @@ def token_scale_byte(x):
 
 
 @triton.jit
-def token_normalized_copies(x, token_byte, INTERPRET: tl.constexpr):
-    """K's two e4m3 copies of an fp32 ``[rows, D]`` tile, each token over its own head_dim scale (``token_byte``
-    ``[rows]``, :func:`token_scale_byte`): (the feature copy's e4m3 values, the same values paired for the
-    transposed copy's store; Q's transposed copy is the same). The forward's K and Q passes write them too
-    (``keep_for`` of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
-    normalized = x * scale_factor(token_byte)[:, None]
-    return fp8.to_e4m3(normalized, INTERPRET), fp8.to_e4m3_paired_apart(normalized, INTERPRET)
+def token_normalized_pairs(x, token_byte, INTERPRET: tl.constexpr):
+    """The e4m3 values of the transposed copies of Q and K: an fp32 ``[rows, D]`` tile, each token over its own
+    head_dim scale (``token_byte`` ``[rows]``, :func:`token_scale_byte`), converted by
+    ``fp8.to_e4m3_paired_apart``, since K's feature copy casts these very values too. The forward's K and Q
+    passes write them as well (``keep_for`` of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
+    return fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
 
 
 @triton.jit
@@ -229,7 +228,7 @@ def _quantize_kernel(
                 tl.store(padded_rows + Q_DO_FACTOR * HEADS * padded, scale_value(byte) * q_factor)
         if SEQUENCE:  # the whole slot, zeros past the end
             if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
-                _, data = token_normalized_copies(x, token_byte, INTERPRET)
+                data = token_normalized_pairs(x, token_byte, INTERPRET)
             else:
                 data = fp8.to_e4m3(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,

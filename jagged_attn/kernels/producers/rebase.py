@@ -44,7 +44,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from ..common import fp8, layout, reuse
-from .backward_passes import Quantized, token_normalized_copies, token_scale_byte
+from .backward_passes import Quantized, token_normalized_pairs, token_scale_byte
 from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
@@ -173,7 +173,7 @@ def _rebase_feature_kernel(
     monotone), and each chunk is read again (from L2, just read) to be rebased onto it. EXACT: factors all 1.
     CHECK_FINITE (high-precision values): the tile's :func:`_largest_magnitude` flagged in ``nonfinite``.
     COPIES (high-precision values): also the backward's two copies of the operand (Q's or K's), each token
-    over its own scale (``token_normalized_copies``): e4m3 ``copy_feature [total, H, D]`` with its scales in
+    over its own scale (``token_normalized_pairs``): e4m3 ``copy_feature [total, H, D]`` with its scales in
     ``copy_scale [H, total]``, and the transposed ``copy_sequence [H, D, padded]``, its tokens in ORDER, the
     whole slot (zeros past the end); with COPY_GROUP = CHUNK (and GROUP <= CHUNK) the feature copy instead on
     one scale per CHUNK tokens from the sequence's start, the largest of their own (the largest of the chunk's
@@ -255,13 +255,13 @@ def _store_backward_copies(
         in_seq = rows < length
         x = _load_rows(src, head, start, rows, tl.arange(0, D), length, HEADS, D)
         token_byte = token_scale_byte(x)
-        feature, paired = token_normalized_copies(x, token_byte, INTERPRET)
         feature_byte = token_byte
         if COPY_GROUP > 1:
             feature_byte = tl.zeros_like(token_byte) + chunk_byte
-            feature = fp8.to_e4m3(x * layout.scale_factor(chunk_byte), INTERPRET)
             tl.store(copy_token_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(token_byte),
                      mask=in_seq)
+        feature = fp8.to_e4m3(x * layout.scale_factor(feature_byte)[:, None], INTERPRET)
+        paired = token_normalized_pairs(x, token_byte, INTERPRET)
         tl.store(copy_feature + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D),
                  feature.to(copy_feature.dtype.element_ty), mask=in_seq[:, None])
         tl.store(copy_scale + head.to(tl.int64) * total + start + rows, layout.scale_value(feature_byte), mask=in_seq)
