@@ -327,6 +327,18 @@ def test_compiles_to_fp8_wgmma_for_sm90(scores):
 
 
 
+def _rebase_pass_for_sm90(kernel: str, pointers: dict, constexprs: dict, num_warps: int, aligned: list) -> tuple:
+    """(PTX, ptxas report) of ``rebase.<kernel>`` compiled for sm_90: arguments in ``pointers`` of those types,
+    the others i32, ``aligned`` marked divisible by 16 as a launch specializes them; its spill stores none."""
+    names = getattr(rebase, kernel).arg_names
+    signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
+    ptx = compile_ptx("jagged_attn.kernels.producers.rebase", kernel, signature, constexprs, arch=90,
+                      num_warps=num_warps, aligned=aligned)
+    report = ptxas_report(ptx, 90)
+    assert "0 bytes spill stores" in report, report
+    return ptx, report
+
+
 @pytest.mark.parametrize("exact, group, copies, copy_group", [
     (True, 1, False, 1), (False, 1, False, 1), (False, 128, False, 1),
     (False, 128, True, 1),  # K's pass as training runs it
@@ -338,19 +350,15 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, c
     in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17),
     also where it writes the backward's copies of K or Q (``copies``: each chunk read again; Q's copy on one
     scale per chunk, the largest of the chunk's bytes its rebase formed)."""
-    names = rebase._rebase_feature_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
                       COPY_GROUP=copy_group, ORDER=int(layout.DS_ORDER), INTERPRET=False)
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
                     factor="*fp32", nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32",
                     copy_token_scale="*fp32", copy_sequence="*fp8e4nv")
-    signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
     config = rebase.FEATURE_COPIES_CONFIG if copies else rebase.FEATURE_CONFIG
-    ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_rebase_feature_kernel", signature, constexprs, arch=90,
-                      num_warps=config["num_warps"], aligned=[*pointers, "padded"])  # padded: whole slots
-    report = ptxas_report(ptx, 90)
-    assert "0 bytes spill stores" in report
+    _, report = _rebase_pass_for_sm90("_rebase_feature_kernel", pointers, constexprs, config["num_warps"],
+                                      [*pointers, "padded"])  # padded: whole slots
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
 
 
@@ -360,17 +368,13 @@ def test_sequence_exponent_pass_with_the_finite_check_compiles_lean_for_sm90(cop
     from one reduction; with ``copies`` the 64-token scale bytes of the backward's copy of V too) compiles
     for sm_90 without spills in at most 96 registers (two reductions of the same tile took 143; 128 with the
     copies' scales, 120 when compiled)."""
-    names = rebase._sequence_exponent_kernel.arg_names
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
                       CHECK_FINITE=True, COPIES=copies, VALUE_GROUP=64, INTERPRET=False,
                       BLOCK_D=rebase.EXPONENT_CONFIGS["values"]["BLOCK_D"])
     pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", exponent="*i32", nonfinite="*fp32",
                     group_byte="*i32")
-    signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
-    ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_sequence_exponent_kernel", signature, constexprs,
-                      arch=90, num_warps=rebase.EXPONENT_CONFIGS["values"]["num_warps"], aligned=list(pointers))
-    report = ptxas_report(ptx, 90)
-    assert "0 bytes spill stores" in report
+    _, report = _rebase_pass_for_sm90("_sequence_exponent_kernel", pointers, constexprs,
+                                      rebase.EXPONENT_CONFIGS["values"]["num_warps"], list(pointers))
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= (128 if copies else 96), report
 
 
@@ -382,17 +386,14 @@ def test_sequence_rebase_from_high_precision_compiles_lean_for_sm90(source):
     copy stored at its plain channel range took 256 against 96 from bf16, and 56% more instructions; in runs
     of 8 channels, 96 against 32 from fp32: docs/perf-history.md v65-v66)."""
     def shuffles(with_copy):
-        names = rebase._rebase_sequence_kernel.arg_names
         constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False,
                           ORDER=int(layout.PV_ORDER), COPIES=with_copy, VALUE_GROUP=64, INTERPRET=False,
                           BLOCK_D=rebase.SEQUENCE_CONFIGS["values"]["BLOCK_D"])
         pointers = dict(src=source, scales="*u8", offsets="*i32", work="*i32", exponent="*i32", dst="*fp8e4nv",
                         group_byte="*i32", copy_feature="*fp8e4nv", copy_scale="*fp32")
-        signature = {name: pointers.get(name, "i32") for name in names} | {name: "constexpr" for name in constexprs}
-        ptx = compile_ptx("jagged_attn.kernels.producers.rebase", "_rebase_sequence_kernel", signature, constexprs,
-                          arch=90, num_warps=rebase.SEQUENCE_CONFIGS["values"]["num_warps"],
-                          aligned=[*pointers, "t_pad"])  # t_pad: whole slots
-        assert "0 bytes spill stores" in ptxas_report(ptx, 90)
+        ptx, _ = _rebase_pass_for_sm90("_rebase_sequence_kernel", pointers, constexprs,
+                                       rebase.SEQUENCE_CONFIGS["values"]["num_warps"],
+                                       [*pointers, "t_pad"])  # t_pad: whole slots
         return sass(ptx, 90).count("SHFL.BFLY")
 
     assert shuffles(True) == shuffles(False) > 0
