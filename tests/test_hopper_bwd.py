@@ -668,35 +668,40 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
         assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
 
 
-@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "q", "q-fp8", "k", "k-fp8", "v-fp8"])
+@pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "dout-fp8", "q", "q-fp8", "k", "k-fp8", "v-fp8"])
 def test_producer_passes_compile_to_sm90_without_spills(tensor):
     """The producer's passes as the default backward launches them for dO (its maxima, then Delta, the padded
     vectors, bf16 feature values, dO^T in pv order on scales shared by a GQA group of two) and for Q (one pass:
-    token-normalized), and as the FP8 path launches them for Q and V (e4m3 feature copies, a scale per chunk of
-    tokens; one pass each) compile
+    token-normalized), and as the FP8 path launches them for dO (e4m3 feature copy, dO^T as fp16 in natural
+    order), Q and V (e4m3 feature copies, a scale per chunk of tokens; one pass each) compile
     for sm_90 without spills, in at most 168 registers: three programs of four warps per SM (a whole slot at
     a time took 244-253, two per SM, 5% slower for dO; docs/perf-history.md v14). With the LSE's gradient
     taken into Delta (only when the loss differentiates through the LSE) dO's takes 190. The chunk-scaled
     passes run eight warps (``quantize_warps``) in at most 128: two programs of eight warps, no fewer warps
     an SM than three of four. K's pass (one scale per token) rounds the same values for both copies, and
     every pass keeps all its e4m3 conversions in the SASS: ptxas merged two identical ones and left
-    some of their consumers reading registers no conversion wrote (``fp8.to_e4m3_paired_apart``)."""
+    some of their consumers reading registers no conversion wrote (``fp8.to_e4m3_paired_apart``). dO^T as
+    fp16 is transposed as 16-bit values (``fp8.e4m3_values_in_fp16``): cast to e4m3 first, the transpose
+    moved single bytes (64 ``LDS.U8`` a chunk) and the pass took 196 registers (docs/perf-history.md v66)."""
     is_do, is_q, fp8_copy = tensor.startswith("dout"), tensor.startswith("q"), tensor.endswith("fp8")
     normalized = is_q or tensor.startswith("k")
     with_dlse = tensor == "dout+dlse"
-    rows = dict(ROWS=is_do, DO_FACTOR=False)
+    fp16_sequence = tensor == "dout-fp8"
+    rows = dict(ROWS=is_do, DO_FACTOR=fp16_sequence)
     shape = dict(HEADS=16, HEAD_DIM=128, TILE=backward_passes.PRODUCER_TILE, GROUP=2,
                  CHUNK=backward_passes.PRODUCER_CHUNK)
     quantize = dict(shape, NORMALIZE_TOKENS=normalized, FEATURE=True,
-                    FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy and tensor != "k-fp8" else 1,
+                    FEATURE_GROUP=backward_passes.PRODUCER_CHUNK if fp8_copy and tensor in ("q-fp8", "v-fp8") else 1,
                     SEQUENCE=tensor != "v-fp8",
-                    DELTA=is_do, DLSE=with_dlse, ORDER=layout.PV_ORDER.value, INTERPRET=False, **rows)
+                    DELTA=is_do, DLSE=with_dlse,
+                    ORDER=(layout.NATURAL_ORDER if fp16_sequence else layout.PV_ORDER).value, INTERPRET=False, **rows)
     passes = [("_sequence_amax_kernel", shape, backward_passes.AMAX_WARPS)] if is_do else []
     passes.append(("_quantize_kernel", quantize, backward_passes.quantize_warps(quantize["FEATURE_GROUP"])))
     for kernel, constexprs, warps in passes:
         names = getattr(backward_passes, kernel).arg_names
         pointers = dict(x_ptr="*bf16", out_ptr="*bf16", feature_ptr="*fp8e4nv" if fp8_copy else "*bf16",
-                        sequence_ptr="*fp8e4nv", offsets_ptr="*i32", tiles_ptr="*i32", amax_ptr="*i32")
+                        sequence_ptr="*fp16" if fp16_sequence else "*fp8e4nv", offsets_ptr="*i32", tiles_ptr="*i32",
+                        amax_ptr="*i32")
         pointers.update({n: "*fp32" for n in names if n.endswith("_ptr") and n not in pointers})
         ptx = compile_ptx("jagged_attn.kernels.producers.backward_passes", kernel,
                           _signature(names, pointers, constexprs), constexprs, arch=90, num_warps=warps,
@@ -706,7 +711,10 @@ def test_producer_passes_compile_to_sm90_without_spills(tensor):
         bound = 192 if with_dlse else 128 if warps == 8 else 168
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= bound, kernel
         conversions = ptx.count("cvt.rn.satfinite.e4m3x2.f32")
-        assert sass(ptx, 90).count("F2FP.SATFINITE.E4M3.F32") == conversions, kernel
+        code = sass(ptx, 90)
+        assert code.count("F2FP.SATFINITE.E4M3.F32") == conversions, kernel
+        if fp16_sequence:
+            assert "LDS.U8" not in code, kernel
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -62,6 +62,18 @@ def to_e4m3_paired_apart(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def e4m3_values_in_fp16(x, INTERPRET: tl.constexpr):
+    """:func:`to_e4m3` of fp32 ``x`` as fp16 (which holds every e4m3 value exactly), with no 8-bit tensor
+    between: a layout conversion Triton places after the cast then moves 16-bit elements (whole
+    ``stmatrix``/``ldmatrix`` rows in a transpose), not single bytes."""
+    if INTERPRET:
+        return to_e4m3(x, INTERPRET).to(tl.float16)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $2, $1; cvt.rn.f16x2.e4m3x2 $0, pair; }",
+        "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
 def rounded_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``dtype`` (bf16, fp16 or fp32), returned as fp32, which
     holds that value exactly. The interpreter's fp32 -> bf16 cast truncates (and its bf16 subnormals

@@ -229,6 +229,8 @@ def _quantize_kernel(
         if SEQUENCE:  # the whole slot, zeros past the end
             if NORMALIZE_TOKENS:  # K's feature copy (and Q's, one scale per token) casts these very values
                 data = token_normalized_pairs(x, token_byte, INTERPRET)
+            elif sequence_ptr.dtype.element_ty == tl.float16:
+                data = fp8.e4m3_values_in_fp16(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             else:
                 data = fp8.to_e4m3(x * scale_factor(sequence_byte)[None, :], INTERPRET)
             store_sequence_copy(sequence_ptr, data.to(sequence_ptr.dtype.element_ty), h, channels, seq_start, b,
