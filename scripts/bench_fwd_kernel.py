@@ -27,7 +27,7 @@ def time_forward_kernel(w: Workload, scores: str, overrides: dict, label: str) -
     kernel, _, _ = forward_kernel_alone(w, *quantized_inputs(w), config)
     out, lse = kernel()
     finite = torch.isfinite(lse)
-    sums = f"{float(out.double().abs().sum()):.6e} {float(lse[finite].double().sum()):.6e}"
+    sums = f"{float(out.abs().sum(dtype=torch.float64)):.6e} {float(lse[finite].sum(dtype=torch.float64)):.6e}"
     ms = median_ms(kernel)
     print(f"{label:10s} {w.name:30s} S {scores:4s} kernel {ms:7.3f} ms = {w.tflops('fwd', ms):5.0f} TFLOP/s  "
           f"|O| LSE sums {sums}", flush=True)

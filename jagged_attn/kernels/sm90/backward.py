@@ -54,7 +54,10 @@ Exact S and dP keep the gradients within 5e-3 of the reference backend on every 
 tests, cosine against fp64 within 1e-4 of the reference's; FP8 S and dP (backend ``hopper``, faster)
 1.5e-2 to 2e-1 from it on heavy-tailed and outlier inputs (docs/perf-history.md). The
 consumers are at their register ceiling and sensitive to every instruction, and the dQ warpgroup's
-steps (publishing, wgmmas, staging, reduce-adds) bound the kernel; dQ formed in the consumers instead,
+steps (publishing, wgmmas, staging, reduce-adds) are about as long as theirs: lengthening them slows the
+kernel, but hiding their wgmmas' latency (the next piece's products issued while a piece is staged) does not
+pay for its registers: at the dQ warpgroup's 56, two pieces in flight make ptxas serialize every wgmma of
+the kernel, and consumers at 216 to give it 72 lose more than it gains. dQ formed in the consumers instead,
 each over its own keys, was measured slower still: their chains are latency-bound, and dQ's round trips
 then lengthen each of them (docs/perf-history.md; speed: docs/PERF.md).
 """
