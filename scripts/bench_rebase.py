@@ -48,7 +48,7 @@ def kv_for_training(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> 
     backward's copies of K and V the same passes wrote (taken back, so each call keeps nothing)."""
     preparation = sm90_backward.preparation()
     operands = rebase.quantize_rebase_kv(k, v, offsets, BLOCK_N, v_order=layout.PV_ORDER, keep_for=preparation)
-    _, (k_copies, v_copies) = rebase.take_backward_copies(k, k, v, offsets, offsets, preparation)  # (no Q here)
+    k_copies, v_copies = rebase.take_kv_copies(k, v, offsets, preparation)
     return [*operands, k_copies.feature, k_copies.feature_scale, k_copies.sequence, v_copies.feature,
             v_copies.feature_scale]
 

@@ -601,11 +601,17 @@ def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, 
     return operands
 
 
+def take_kv_copies(k, v, offsets_k, preparation: dict):
+    """(K's copies, V's) that :func:`quantize_rebase_kv` kept for the backward of these tensors, None unless made
+    for this backward's ``preparation``; no longer kept."""
+    kept = reuse.take((k, v, offsets_k), "backward copies")
+    return kept[1] if kept is not None and kept[0] == _copies_spec(preparation) else None
+
+
 def take_backward_copies(q, k, v, offsets_q, offsets_k, preparation: dict):
     """(Q's copies, K's and V's) that :func:`quantize_rebase_feature` and :func:`quantize_rebase_kv` kept for the
     backward of these tensors, each None unless made for this backward's ``preparation``; no longer kept."""
     kept_q = reuse.take((q, offsets_q), "backward copies of Q")
-    kept_kv = reuse.take((k, v, offsets_k), "backward copies")
     return (kept_q[1] if kept_q is not None and kept_q[0] == _query_copies_spec(preparation) else None,
-            kept_kv[1] if kept_kv is not None and kept_kv[0] == _copies_spec(preparation) else None)
+            take_kv_copies(k, v, offsets_k, preparation))
 
