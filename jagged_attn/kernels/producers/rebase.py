@@ -508,7 +508,7 @@ def quantize_rebase_feature(values: torch.Tensor, offsets: torch.Tensor, roundin
     operand = _rebase_feature(values, offsets, None, rounding, group, exact, slot_tiles(offsets, values.shape[0]),
                               nonfinite, copies, *spec)
     if keep_for is not None:
-        reuse.keep((values, offsets), "backward copies of Q", (spec, copies))
+        _keep_copies((values, offsets), "backward copies of Q", spec, copies)
     return operand
 
 
@@ -597,21 +597,30 @@ def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, 
     operands = (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag, k_copies, key_order),
                 *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
     if keep_for is not None:
-        reuse.keep((k, v, offsets), "backward copies", (_copies_spec(keep_for), (k_copies, v_copies)))
+        _keep_copies((k, v, offsets), "backward copies", _copies_spec(keep_for), (k_copies, v_copies))
     return operands
+
+
+def _keep_copies(sources: tuple, label: str, spec: tuple, copies) -> None:
+    """Keep a backward's ``copies`` of ``sources`` (``reuse.keep``), with the ``spec`` they were made for."""
+    reuse.keep(sources, label, (spec, copies))
+
+
+def _take_copies(sources: tuple, label: str, spec: tuple):
+    """The copies :func:`_keep_copies` kept of ``sources``, None unless made for ``spec``; no longer kept."""
+    kept = reuse.take(sources, label)
+    return kept[1] if kept is not None and kept[0] == spec else None
 
 
 def take_kv_copies(k, v, offsets_k, preparation: dict):
     """(K's copies, V's) that :func:`quantize_rebase_kv` kept for the backward of these tensors, None unless made
     for this backward's ``preparation``; no longer kept."""
-    kept = reuse.take((k, v, offsets_k), "backward copies")
-    return kept[1] if kept is not None and kept[0] == _copies_spec(preparation) else None
+    return _take_copies((k, v, offsets_k), "backward copies", _copies_spec(preparation))
 
 
 def take_backward_copies(q, k, v, offsets_q, offsets_k, preparation: dict):
     """(Q's copies, K's and V's) that :func:`quantize_rebase_feature` and :func:`quantize_rebase_kv` kept for the
     backward of these tensors, each None unless made for this backward's ``preparation``; no longer kept."""
-    kept_q = reuse.take((q, offsets_q), "backward copies of Q")
-    return (kept_q[1] if kept_q is not None and kept_q[0] == _query_copies_spec(preparation) else None,
+    return (_take_copies((q, offsets_q), "backward copies of Q", _query_copies_spec(preparation)),
             take_kv_copies(k, v, offsets_k, preparation))
 
