@@ -1150,7 +1150,7 @@ def test_gpu_preprocessing_bandwidth():
                                                     (layout.NATURAL_ORDER, 1)])
 def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_group, device):
     """``quantize_rebase_kv`` with ``keep_for``: from one read of K and V, the forward's operands (the bytes
-    it makes without) and the backward's copies of K and V, kept for ``take_backward_copies``: the bytes
+    it makes without) and the backward's copies of K and V, kept for ``take_kv_copies``: the bytes
     ``quantize_for_backward`` makes (K's feature copy and K^T in ``key_order``, V's feature copy on one scale
     per ``value_group`` tokens) on ragged lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for
     the GPU, as interpreted."""
@@ -1163,8 +1163,7 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     preparation = dict(query_order=key_order, key_order=key_order, query_scale_tokens=1, value_scale_tokens=value_group)
     operands = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER, nonfinite=nonfinite,
                                          keep_for=preparation)
-    q_copy, (k_copy, v_copy) = rebase.take_backward_copies(k, k, v, offsets, offsets, preparation)
-    assert q_copy is None  # nothing kept for Q
+    k_copy, v_copy = rebase.take_kv_copies(k, v, offsets, preparation)
     with pytest.raises(ValueError, match="e4m3"):  # exact operands have no e4m3 copies to share
         rebase.quantize_rebase_kv(k, v, offsets, block_n, exact=True, keep_for=preparation)
     expected = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER)
