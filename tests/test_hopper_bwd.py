@@ -1164,6 +1164,8 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     operands = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER, nonfinite=nonfinite,
                                          keep_for=preparation)
     k_copy, v_copy = rebase.take_kv_copies(k, v, offsets, preparation)
+    # Nothing kept for Q (asked of K's tensor, the only one here), and K's and V's no longer kept once taken.
+    assert rebase.take_backward_copies(k, k, v, offsets, offsets, preparation) == (None, None)
     with pytest.raises(ValueError, match="e4m3"):  # exact operands have no e4m3 copies to share
         rebase.quantize_rebase_kv(k, v, offsets, block_n, exact=True, keep_for=preparation)
     expected = rebase.quantize_rebase_kv(k, v, offsets, block_n, v_order=layout.PV_ORDER)
