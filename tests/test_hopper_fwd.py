@@ -341,15 +341,16 @@ def _rebase_pass_for_sm90(kernel: str, pointers: dict, constexprs: dict, num_war
 
 @pytest.mark.parametrize("exact, group, copies, copy_group", [
     (True, 1, False, 1), (False, 1, False, 1), (False, 128, False, 1),
-    (False, 128, True, 1),  # K's pass as training runs it
-    (False, 1, True, rebase.FEATURE_CHUNK)])  # Q's
+    (False, 128, True, rebase.TOKENS_PER_PROGRAM),  # K's pass as training runs it
+    (False, 1, True, 1), (False, 1, True, rebase.FEATURE_CHUNK)])  # Q's
 def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, copy_group):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
     spans two chunks, read twice; forming the NaN/Inf check's flag), compiles for sm_90 without
     spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
     in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17),
-    also where it writes the backward's copies of K or Q (``copies``: each chunk read again; Q's copy on one
-    scale per chunk, the largest of the chunk's bytes its rebase formed)."""
+    also where it writes the backward's copies of K or Q (``copies``: K^T from the operand's own bytes in the
+    rebase loop; Q's read again, its copy on one scale per token or per chunk, the largest of the chunk's bytes
+    its rebase formed)."""
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
                       COPY_GROUP=copy_group, ORDER=int(layout.DS_ORDER), INTERPRET=False)
