@@ -36,8 +36,8 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
     over the tensor for its maxima. K's copy holds the same bytes as its feature copy, transposed. On the
     FP8 path K takes the forward's operand form instead (``rebase.with_key_copies``): one exponent per
     128-key tile for its feature copy (the forward's operand itself) and K^T alike, each token's factor its
-    tile's, so the backward's S^T is the forward's S; only elements over ~2^14.8 below their tile's
-    largest lose bits there, as in the forward.
+    tile's, so K enters the backward's S^T as it entered the forward's S; only elements over ~2^14.8 below
+    their tile's largest lose bits there, as in the forward.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
   a program has reduced so far (in the Hopper kernel with FP8 scores, also over the other consumer's
   tiles up to the previous step): the accumulator is rescaled by an exact power of two <= 1 when the
