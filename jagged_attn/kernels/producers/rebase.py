@@ -87,13 +87,6 @@ def quantized_feature_blocks(x, FLOOR: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def onto_row_bytes(x, byte, row_byte, INTERPRET: tl.constexpr):
-    """MX blocks ``x [rows, D / 32, 32]`` with bytes ``byte [rows, D / 32]`` moved onto each row's byte
-    ``row_byte [rows]`` (none smaller than the row's): e4m3, same shape."""
-    return fp8.to_e4m3(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], INTERPRET)
-
-
-@triton.jit
 def block_values(x, byte):
     """MX blocks ``x [rows, D / 32, 32]`` with bytes ``byte [rows, D / 32]`` as their fp32 values."""
     return x * layout.scale_value(byte)[:, :, None]
@@ -137,12 +130,19 @@ def rebased_feature_rows(
 
 
 @triton.jit
+def _onto_group_values(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """MX blocks ``x [BLOCK_T, D / 32, 32]`` with bytes ``byte [BLOCK_T, D / 32]`` moved onto the bytes
+    ``group_byte [BLOCK_T / GROUP]`` of their GROUP-row groups (none smaller): fp32 ``[BLOCK_T, D]``, to be
+    rounded onto e4m3's grid."""
+    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
+    return tl.reshape(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], (BLOCK_T, D))
+
+
+@triton.jit
 def _onto_group_bytes(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
                       INTERPRET: tl.constexpr):
-    """MX blocks ``x [BLOCK_T, D / 32, 32]`` with bytes ``byte [BLOCK_T, D / 32]`` moved onto the bytes
-    ``group_byte [BLOCK_T / GROUP]`` of their GROUP-row groups (none smaller): e4m3 ``[BLOCK_T, D]``."""
-    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
-    return tl.reshape(onto_row_bytes(x, byte, row_byte, INTERPRET), (BLOCK_T, D))
+    """:func:`_onto_group_values` as e4m3 ``[BLOCK_T, D]``."""
+    return fp8.to_e4m3(_onto_group_values(x, byte, group_byte, D, BLOCK_T, GROUP), INTERPRET)
 
 
 @triton.jit
@@ -178,9 +178,9 @@ def _rebase_feature_kernel(
     whole slot (zeros past the end); with COPY_GROUP = CHUNK (and GROUP <= CHUNK) the feature copy instead on
     one scale per CHUNK tokens from the sequence's start, the largest of their own (the largest of the chunk's
     group bytes: the rule is monotone), each token's own in ``copy_token_scale``. With COPY_GROUP = GROUP =
-    BLOCK_T (K's in training) the operand itself is the feature copy: only ``copy_sequence`` is written, from
-    the operand's own bytes in the same loop (no second read), and ``copy_scale`` holds each token's tile
-    factor."""
+    BLOCK_T (K's in training) the operand itself is the feature copy: only ``copy_sequence`` is written, the
+    operand's bytes from its own values in the same loop (no second read), and ``copy_scale`` holds each
+    token's tile factor."""
     if COPIES:
         tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
         tl.static_assert(COPY_GROUP == 1 or (COPY_GROUP == CHUNK and GROUP <= CHUNK)
@@ -217,7 +217,16 @@ def _rebase_feature_kernel(
         elif GROUP > CHUNK:
             x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                                    HEADS, D, CHUNK, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
-            rebased = _onto_group_bytes(x, byte, tl.zeros((1,), tl.int32) + tile_byte, D, CHUNK, CHUNK, INTERPRET)
+            values = _onto_group_values(x, byte, tl.zeros((1,), tl.int32) + tile_byte, D, CHUNK, CHUNK)
+            rebased = fp8.to_e4m3(values, INTERPRET)
+            if OPERAND_COPIES:
+                # K^T from a second conversion of the same values, paired apart: cast once and stored both
+                # ways, ptxas (Triton 3.6, sm_90a) merged the cast's pairs for the operand's store and left the
+                # transpose's byte moves reading registers no conversion wrote (wrong K^T bytes on an H100).
+                layout.store_sequence_copy(copy_sequence, fp8.to_e4m3_paired_apart(values, INTERPRET), head,
+                                           tl.arange(0, D), start, seq, rows, padded, D, ORDER)  # the whole slot
+                tl.store(copy_scale + head.to(tl.int64) * total + start + rows,
+                         tl.zeros([CHUNK], tl.float32) + layout.scale_value(tile_byte), mask=rows < length)
         else:
             rebased, group_byte = rebased_feature_rows(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
@@ -228,11 +237,6 @@ def _rebase_feature_kernel(
             chunk_bytes = tl.where(tl.arange(0, CHUNKS) == chunk % CHUNKS, tl.max(group_byte, axis=0), chunk_bytes)
         tl.store(dst + _row_elements(head, start, rows, tl.arange(0, D), HEADS, D), rebased,
                  mask=(rows < length)[:, None])
-        if OPERAND_COPIES:  # the whole slot: rows past the end loaded as zeros
-            layout.store_sequence_copy(copy_sequence, rebased, head, tl.arange(0, D), start, seq, rows, padded, D,
-                                       ORDER)
-            tl.store(copy_scale + head.to(tl.int64) * total + start + rows,
-                     tl.zeros([CHUNK], tl.float32) + layout.scale_value(tile_byte), mask=rows < length)
         if CHECK_FINITE and not FIRST_READ:  # the chunk read again (from L1/L2), after its store: fewer registers
             largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
                                                                         length, HEADS, D), INTERPRET),
