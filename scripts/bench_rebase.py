@@ -45,12 +45,12 @@ def batches(tokens: int) -> dict:
 
 def kv_for_training(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> list:
     """K's and V's forward operands as ``sm90.forward`` makes them when a backward is to come, and the
-    backward's copies of K and V the same passes wrote (taken back, so each call keeps nothing)."""
+    backward's copies of K and V the same passes wrote (taken back, so each call keeps nothing; K's feature
+    copy is its operand)."""
     preparation = sm90_backward.preparation()
     operands = rebase.quantize_rebase_kv(k, v, offsets, BLOCK_N, v_order=layout.PV_ORDER, keep_for=preparation)
     k_copies, v_copies = rebase.take_kv_copies(k, v, offsets, preparation)
-    return [*operands, k_copies.feature, k_copies.feature_scale, k_copies.sequence, v_copies.feature,
-            v_copies.feature_scale]
+    return [*operands, k_copies.feature_scale, k_copies.sequence, v_copies.feature, v_copies.feature_scale]
 
 
 def output_bytes(producer) -> list:

@@ -1150,10 +1150,11 @@ def test_gpu_preprocessing_bandwidth():
                                                     (layout.NATURAL_ORDER, 1)])
 def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_group, device):
     """``quantize_rebase_kv`` with ``keep_for``: from one read of K and V, the forward's operands (the bytes
-    it makes without) and the backward's copies of K and V, kept for ``take_kv_copies``: the bytes
-    ``quantize_for_backward`` makes (K's feature copy and K^T in ``key_order``, V's feature copy on one scale
-    per ``value_group`` tokens) on ragged lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for
-    the GPU, as interpreted."""
+    it makes without) and the backward's copies of K and V, kept for ``take_kv_copies``: K's operand itself
+    as its feature copy, each token's factor its tile's, and K^T holding the operand's bytes in ``key_order``
+    (the whole slot, zeros past the end), as ``with_key_copies`` makes them where nothing was kept; V's, the
+    bytes ``quantize_for_backward`` makes (its feature copy on one scale per ``value_group`` tokens); on ragged
+    lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for the GPU, as interpreted."""
     lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
     _, k, v, _, _, offsets = make_inputs([1] * len(lengths), lengths, 4, 2, 64, kind="heavy", device=device,
                                          dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -1180,13 +1181,22 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     assert torch.equal(vt[..., slots].view(torch.uint8), vt_want[..., slots].view(torch.uint8))
     assert torch.equal(v_exponent, v_exponent_want)
     assert not nonfinite.any()
-    k_want, _, _ = backward_passes.quantize_for_backward(k, offsets, feature=True, sequence=True,
-                                                         normalize_tokens=True, order=key_order)
+    assert k_copy.feature is k_data and k_copy.token_scale is k_copy.feature_scale
+    token_columns = torch.cat([padded_seq_start(int(offsets[b]), b) + torch.arange(length)
+                               for b, length in enumerate(lengths)])
+    assert torch.equal(k_copy.feature_scale, k_factor[:, token_columns // block_n])
+    key_slot = {layout.DS_ORDER: layout.ds_key_slot, layout.NATURAL_ORDER: lambda j: j}[key_order]
+    natural = torch.zeros(k_copy.sequence.shape, dtype=torch.uint8, device=device)  # zeros past each end
+    natural[..., token_columns] = k_data.view(torch.uint8).permute(1, 2, 0)
+    columns = torch.tensor(slots, device=device)
+    ordered = columns // 128 * 128 + key_slot(columns % 128)
+    assert torch.equal(k_copy.sequence[..., ordered].view(torch.uint8), natural[..., columns])
+    made, _ = rebase.with_key_copies(None, k, offsets, preparation)  # V's then made by Prepared
+    assert torch.equal(made.feature.view(torch.uint8), k_data.view(torch.uint8))
+    assert torch.equal(made.feature_scale, k_copy.feature_scale)
+    assert torch.equal(made.sequence[..., slots].view(torch.uint8), k_copy.sequence[..., slots].view(torch.uint8))
     v_want, _, _ = backward_passes.quantize_for_backward(v, offsets, feature=True, sequence=False,
                                                          feature_group=value_group)
-    assert torch.equal(k_copy.feature.view(torch.uint8), k_want.feature.view(torch.uint8))
-    assert torch.equal(k_copy.feature_scale, k_want.feature_scale)
-    assert torch.equal(k_copy.sequence[..., slots].view(torch.uint8), k_want.sequence[..., slots].view(torch.uint8))
     assert torch.equal(v_copy.feature.view(torch.uint8), v_want.feature.view(torch.uint8))
     assert torch.equal(v_copy.feature_scale, v_want.feature_scale)
 

@@ -341,15 +341,16 @@ def _rebase_pass_for_sm90(kernel: str, pointers: dict, constexprs: dict, num_war
 
 @pytest.mark.parametrize("exact, group, copies, copy_group", [
     (True, 1, False, 1), (False, 1, False, 1), (False, 128, False, 1),
-    (False, 128, True, 1),  # K's pass as training runs it
-    (False, 1, True, rebase.FEATURE_CHUNK)])  # Q's
+    (False, 128, True, rebase.TOKENS_PER_PROGRAM),  # K's pass as training runs it
+    (False, 1, True, 1), (False, 1, True, rebase.FEATURE_CHUNK)])  # Q's
 def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, copy_group):
     """The feature rebase from bf16, as the launcher runs it (chunks of FEATURE_CHUNK tokens; group 128
     spans two chunks, read twice; forming the NaN/Inf check's flag), compiles for sm_90 without
     spills in at most 96 registers (a whole slot at a time took 147-202, 62-69% of copy against 80-83%
     in chunks on an H200, docs/perf-history.md v15; the magnitude formed before the chunk's store took 108, v17),
-    also where it writes the backward's copies of K or Q (``copies``: each chunk read again; Q's copy on one
-    scale per chunk, the largest of the chunk's bytes its rebase formed)."""
+    also where it writes the backward's copies of K or Q (``copies``: K^T from the operand's own bytes in the
+    rebase loop; Q's read again, its copy on one scale per token or per chunk, the largest of the chunk's bytes
+    its rebase formed)."""
     constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
                       FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
                       COPY_GROUP=copy_group, ORDER=int(layout.DS_ORDER), INTERPRET=False)
@@ -360,6 +361,29 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, c
     _, report = _rebase_pass_for_sm90("_rebase_feature_kernel", pointers, constexprs, config["num_warps"],
                                       [*pointers, "padded"])  # padded: whole slots
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
+
+
+def test_k_pass_converts_k_transposed_on_its_own_for_sm90():
+    """K's pass as training runs it writes K^T from a conversion of its own (``fp8.to_e4m3_paired_apart`` of
+    the operand's values), not from the operand's cast: cast once and stored both ways, ptxas merged the
+    cast's pairs for the operand's store and left the transpose's byte moves reading registers no conversion
+    wrote (K^T's bytes wrong on an H100, docs/perf-history.md v68). So the pass holds more e4m3 conversions
+    than without the copies, and its SASS keeps every one."""
+    def conversions(copies):
+        constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK,
+                          GROUP=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=False,
+                          CHECK_FINITE=True, COPIES=copies, COPY_GROUP=rebase.TOKENS_PER_PROGRAM,
+                          ORDER=int(layout.DS_ORDER), INTERPRET=False)
+        pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*fp8e4nv", factor="*fp32",
+                        nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32", copy_token_scale="*fp32",
+                        copy_sequence="*fp8e4nv")
+        ptx, _ = _rebase_pass_for_sm90("_rebase_feature_kernel", pointers, constexprs,
+                                       rebase.FEATURE_COPIES_CONFIG["num_warps"], [*pointers, "padded"])
+        count = ptx.count("cvt.rn.satfinite.e4m3x2.f32")
+        assert sass(ptx, 90).count("F2FP.SATFINITE.E4M3.F32") == count
+        return count
+
+    assert conversions(True) > conversions(False) > 0
 
 
 @pytest.mark.parametrize("copies", [False, True])

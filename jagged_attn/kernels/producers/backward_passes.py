@@ -33,7 +33,11 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
     power-of-two scale per (sequence, channel) would change no rounding above e4m3's smallest normal,
     2^-6, i.e. none but of elements over ~2^13.8 below their token's largest (whose absolute error
     stays under 2^-10, against up to 16 for the token's largest elements), and it would cost a pass
-    over the tensor for its maxima. K's copy holds the same bytes as its feature copy, transposed.
+    over the tensor for its maxima. K's copy holds the same bytes as its feature copy, transposed. On the
+    FP8 path K takes the forward's operand form instead (``rebase.with_key_copies``): one exponent per
+    128-key tile for its feature copy (the forward's operand itself) and K^T alike, each token's factor its
+    tile's, so K enters the backward's S^T as it entered the forward's S; only elements over ~2^14.8 below
+    their tile's largest lose bits there, as in the forward.
 * P: the static 2^8 scale. dS: one scale per kernel tile, taken as the running maximum over the tiles
   a program has reduced so far (in the Hopper kernel with FP8 scores, also over the other consumer's
   tiles up to the previous step): the accumulator is rescaled by an exact power of two <= 1 when the
@@ -386,8 +390,8 @@ class Prepared:
         ``query_scale_tokens``, ``value_scale_tokens``: tokens sharing a scale in Q's and V's e4m3 feature copies
         (``quantize_for_backward``'s ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the
         LSE's gradient, taken into Delta (None: none); ``q_copies``, ``kv_copies``: Q's, and K's and V's, copies
-        (``Quantized``) as this preparation makes them, written beforehand by the forward's passes
-        (``rebase.take_backward_copies``), or None."""
+        (``Quantized``) written beforehand (the forward's passes: ``rebase.take_backward_copies``; K's on the FP8
+        path always: ``rebase.with_key_copies``), or None (either of the pair too): made here."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
@@ -417,11 +421,11 @@ class Prepared:
                                                  order=query_order, feature_dtype=score_dtype,
                                                  feature_group=self.query_scale_tokens, tiles=self.tiles_q)
         self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
-        if kv_copies is not None:
-            self.k, self.v = kv_copies
-        else:
+        self.k, self.v = (None, None) if kv_copies is None else kv_copies
+        if self.k is None:
             self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                                  order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+        if self.v is None:
             self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False,
                                                  feature_dtype=score_dtype, feature_group=self.value_scale_tokens,
                                                  tiles=self.tiles_k)

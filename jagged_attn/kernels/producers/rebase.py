@@ -87,13 +87,6 @@ def quantized_feature_blocks(x, FLOOR: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def onto_row_bytes(x, byte, row_byte, INTERPRET: tl.constexpr):
-    """MX blocks ``x [rows, D / 32, 32]`` with bytes ``byte [rows, D / 32]`` moved onto each row's byte
-    ``row_byte [rows]`` (none smaller than the row's): e4m3, same shape."""
-    return fp8.to_e4m3(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], INTERPRET)
-
-
-@triton.jit
 def block_values(x, byte):
     """MX blocks ``x [rows, D / 32, 32]`` with bytes ``byte [rows, D / 32]`` as their fp32 values."""
     return x * layout.scale_value(byte)[:, :, None]
@@ -137,12 +130,19 @@ def rebased_feature_rows(
 
 
 @triton.jit
+def _onto_group_values(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """MX blocks ``x [BLOCK_T, D / 32, 32]`` with bytes ``byte [BLOCK_T, D / 32]`` moved onto the bytes
+    ``group_byte [BLOCK_T / GROUP]`` of their GROUP-row groups (none smaller): fp32 ``[BLOCK_T, D]``, to be
+    rounded onto e4m3's grid."""
+    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
+    return tl.reshape(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], (BLOCK_T, D))
+
+
+@triton.jit
 def _onto_group_bytes(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
                       INTERPRET: tl.constexpr):
-    """MX blocks ``x [BLOCK_T, D / 32, 32]`` with bytes ``byte [BLOCK_T, D / 32]`` moved onto the bytes
-    ``group_byte [BLOCK_T / GROUP]`` of their GROUP-row groups (none smaller): e4m3 ``[BLOCK_T, D]``."""
-    row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
-    return tl.reshape(onto_row_bytes(x, byte, row_byte, INTERPRET), (BLOCK_T, D))
+    """:func:`_onto_group_values` as e4m3 ``[BLOCK_T, D]``."""
+    return fp8.to_e4m3(_onto_group_values(x, byte, group_byte, D, BLOCK_T, GROUP), INTERPRET)
 
 
 @triton.jit
@@ -177,11 +177,16 @@ def _rebase_feature_kernel(
     ``copy_scale [H, total]``, and the transposed ``copy_sequence [H, D, padded]``, its tokens in ORDER, the
     whole slot (zeros past the end); with COPY_GROUP = CHUNK (and GROUP <= CHUNK) the feature copy instead on
     one scale per CHUNK tokens from the sequence's start, the largest of their own (the largest of the chunk's
-    group bytes: the rule is monotone), each token's own in ``copy_token_scale``."""
+    group bytes: the rule is monotone), each token's own in ``copy_token_scale``. With COPY_GROUP = GROUP =
+    BLOCK_T (K's in training) the operand itself is the feature copy: only ``copy_sequence`` is written, the
+    operand's bytes from its own values in the same loop (no second read), and ``copy_scale`` holds each
+    token's tile factor."""
     if COPIES:
         tl.static_assert(FROM_HIGH_PRECISION and not EXACT)
-        tl.static_assert(COPY_GROUP == 1 or (COPY_GROUP == CHUNK and GROUP <= CHUNK),
-                         "a copy's scale group is a token or a chunk of whole exponent groups")
+        tl.static_assert(COPY_GROUP == 1 or (COPY_GROUP == CHUNK and GROUP <= CHUNK)
+                         or (COPY_GROUP == BLOCK_T and GROUP == BLOCK_T),
+                         "a copy's scale group is a token, a chunk of whole exponent groups, or the operand's tile")
+    OPERAND_COPIES: tl.constexpr = COPIES and COPY_GROUP == BLOCK_T
     seq, tile, start, length, _, head = claimed_tile(work, offsets, total, BLOCK_T, HEADS)
     if seq < 0:
         return
@@ -212,7 +217,16 @@ def _rebase_feature_kernel(
         elif GROUP > CHUNK:
             x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                                    HEADS, D, CHUNK, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
-            rebased = _onto_group_bytes(x, byte, tl.zeros((1,), tl.int32) + tile_byte, D, CHUNK, CHUNK, INTERPRET)
+            values = _onto_group_values(x, byte, tl.zeros((1,), tl.int32) + tile_byte, D, CHUNK, CHUNK)
+            rebased = fp8.to_e4m3(values, INTERPRET)
+            if OPERAND_COPIES:
+                # K^T from a second conversion of the same values, paired apart: cast once and stored both
+                # ways, ptxas (Triton 3.6, sm_90a) merged the cast's pairs for the operand's store and left the
+                # transpose's byte moves reading registers no conversion wrote (wrong K^T bytes on an H100).
+                layout.store_sequence_copy(copy_sequence, fp8.to_e4m3_paired_apart(values, INTERPRET), head,
+                                           tl.arange(0, D), start, seq, rows, padded, D, ORDER)  # the whole slot
+                tl.store(copy_scale + head.to(tl.int64) * total + start + rows,
+                         tl.zeros([CHUNK], tl.float32) + layout.scale_value(tile_byte), mask=rows < length)
         else:
             rebased, group_byte = rebased_feature_rows(
                 src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
@@ -227,7 +241,7 @@ def _rebase_feature_kernel(
             largest = tl.maximum(largest, _largest_magnitude(_load_rows(src, head, start, rows, tl.arange(0, D),
                                                                         length, HEADS, D), INTERPRET),
                                  propagate_nan=tl.PropagateNan.ALL)
-    if COPIES:  # after the rebase: no registers of its loop held across
+    if COPIES and not OPERAND_COPIES:  # after the rebase: no registers of its loop held across
         for chunk in range(tile * CHUNKS, (tile + 1) * CHUNKS):
             chunk_byte = tl.max(tl.where(tl.arange(0, CHUNKS) == chunk % CHUNKS, chunk_bytes, 0), axis=0)
             _store_backward_copies(src, head, seq, start, length, chunk, chunk_byte, total, padded, copy_feature,
@@ -425,8 +439,9 @@ def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite
         unused = factor  # any tensor: Triton needs a pointer for outputs a launch does not write
         _rebase_feature_kernel[(work.shape[0] * heads,)](
             values, scales, offsets, total, work, data, factor, factor if nonfinite is None else nonfinite, n_groups,
-            per_head, col_tiles, *((unused,) * 4 if copies is None else (copies.feature, copies.feature_scale,
-                                                                          copies.token_scale, copies.sequence)),
+            per_head, col_tiles, *((unused,) * 4 if copies is None else (
+                unused if copies.feature is None else copies.feature, copies.feature_scale, copies.token_scale,
+                copies.sequence)),
             padded_total(total, offsets.numel() - 1), HEADS=heads, D=dim, BLOCK_T=TOKENS_PER_PROGRAM, CHUNK=chunk,
             GROUP=group, FROM_HIGH_PRECISION=mx is None, FLOOR=rounding == "floor", EXACT=exact,
             CHECK_FINITE=nonfinite is not None, COPIES=copies is not None, COPY_GROUP=copy_group, ORDER=order,
@@ -555,13 +570,43 @@ def _token_copies(x: torch.Tensor, padded: int, feature_group: int) -> Quantized
                                sequence_dtype=torch.float8_e4m3fn)
 
 
-def _backward_copies(k: torch.Tensor, v: torch.Tensor, padded: int) -> tuple[Quantized, Quantized]:
-    """Unwritten e4m3 copies of K and V as ``backward_passes.Prepared`` reads them: K's (:func:`_token_copies`,
-    a scale per token); V's feature copy with its scales, and no token's own scale (the forward's V passes do not
-    form it, and no backward kernel reads V's)."""
-    v_copies = Quantized.unwritten(v, padded, feature_dtype=torch.float8_e4m3fn)
-    v_copies.token_scale = None
-    return _token_copies(k, padded, feature_group=1), v_copies
+def _key_copies(k: torch.Tensor, padded: int) -> Quantized:
+    """Unwritten e4m3 copies of K as ``backward_passes.Prepared`` reads them on the FP8 path: K^T ``[H, D,
+    padded]`` holding the bytes of the forward's own operand (one exponent per key tile) and each token's
+    factor, its tile's; the feature copy is that operand itself (set once it is written)."""
+    heads, dim = k.shape[1], k.shape[2]
+    scale = torch.empty(heads, k.shape[0], dtype=torch.float32, device=k.device)
+    return Quantized(feature_scale=scale, token_scale=scale,
+                     sequence=torch.empty(heads, dim, padded, dtype=torch.float8_e4m3fn, device=k.device))
+
+
+def _value_copies(v: torch.Tensor, padded: int) -> Quantized:
+    """Unwritten e4m3 copies of V as ``backward_passes.Prepared`` reads them: its feature copy with its scales,
+    and no token's own scale (the forward's V passes do not form it, and no backward kernel reads V's)."""
+    copies = Quantized.unwritten(v, padded, feature_dtype=torch.float8_e4m3fn)
+    copies.token_scale = None
+    return copies
+
+
+def _rebase_key_copies(k, offsets, copies, key_order, work, nonfinite=None):
+    """K's forward operand (:func:`quantize_rebase_feature`'s, one exponent per ``TOKENS_PER_PROGRAM`` keys) and,
+    in the same pass, K's copies ``copies`` (:func:`_key_copies`) from its bytes, K^T in ``key_order``."""
+    operand = _rebase_feature(k, offsets, None, "rceil", TOKENS_PER_PROGRAM, False, work, nonfinite, copies,
+                              key_order, copy_group=TOKENS_PER_PROGRAM)
+    copies.feature = operand[0]
+    return operand
+
+
+def with_key_copies(kv_copies, k: torch.Tensor, offsets: torch.Tensor, preparation: dict):
+    """``kv_copies`` (:func:`take_backward_copies`'s K and V copies, or None) with K's made now where the forward
+    kept none, so that the FP8 backward always reads K in the form of the forward's operand (and V's None then:
+    ``Prepared`` makes them)."""
+    if kv_copies is not None:
+        return kv_copies
+    padded = padded_total(k.shape[0], offsets.numel() - 1)
+    copies = _key_copies(k, padded)
+    _rebase_key_copies(k, offsets, copies, _copies_spec(preparation)[0], slot_tiles(offsets, k.shape[0]))
+    return copies, None
 
 
 def _copies_spec(preparation: dict) -> tuple[int, int]:
@@ -581,23 +626,29 @@ def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, 
     with one tile list for both passes (``v_order`` as in :func:`rebase_kv`); ``nonfinite``: fp32 ``[2]``
     holding 0, K's and V's NaN/Inf flags (``quantize_rebase_feature``'s ``nonfinite``).
 
-    ``keep_for`` (not ``exact``): the ``preparation`` (``Prepared``'s options) of a backward to come. The same
-    passes then also write, from the same reads of K and V, that backward's copies of them, the bytes
-    ``quantize_for_backward`` makes (K's e4m3 feature copy and K^T in its ``key_order``, each token over its own
-    scale; V's e4m3 feature copy on one scale per ``value_scale_tokens`` tokens), and keep them for it
-    (:func:`take_backward_copies`; ``reuse.keep``: until taken or until ``k`` is freed)."""
+    ``keep_for`` (not ``exact``, ``group`` a whole key tile): the ``preparation`` (``Prepared``'s options) of a
+    backward to come. The same passes then also write, from the same reads of K and V, that backward's copies
+    of them and keep them for it (:func:`take_backward_copies`; ``reuse.keep``: until taken or until ``k`` is
+    freed): K's operand itself and K^T of its bytes in ``key_order`` (:func:`_key_copies`), and the bytes
+    ``quantize_for_backward`` makes of V (its e4m3 feature copy on one scale per ``value_scale_tokens``
+    tokens)."""
     if keep_for is not None and exact:
         raise ValueError("the backward's copies of K and V are e4m3: keep_for needs exact=False")
+    if keep_for is not None and group != TOKENS_PER_PROGRAM:
+        raise ValueError(f"the backward reads K's operand in {TOKENS_PER_PROGRAM}-key tiles: keep_for needs "
+                         f"group={TOKENS_PER_PROGRAM}, got {group}")
     total = k.shape[0]
     work = slot_tiles(offsets, total)
     k_flag, v_flag = (None, None) if nonfinite is None else (nonfinite[:1], nonfinite[1:])
-    k_copies, v_copies = (None, None) if keep_for is None else _backward_copies(
-        k, v, padded_total(total, offsets.numel() - 1))
-    key_order, value_group = (layout.NATURAL_ORDER, 1) if keep_for is None else _copies_spec(keep_for)
-    operands = (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag, k_copies, key_order),
+    if keep_for is None:
+        return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag),
+                *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag))
+    padded = padded_total(total, offsets.numel() - 1)
+    k_copies, v_copies = _key_copies(k, padded), _value_copies(v, padded)
+    key_order, value_group = _copies_spec(keep_for)
+    operands = (*_rebase_key_copies(k, offsets, k_copies, key_order, work, k_flag),
                 *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
-    if keep_for is not None:
-        _keep_copies((k, v, offsets), "backward copies", _copies_spec(keep_for), (k_copies, v_copies))
+    _keep_copies((k, v, offsets), "backward copies", _copies_spec(keep_for), (k_copies, v_copies))
     return operands
 
 

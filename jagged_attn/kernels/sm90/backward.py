@@ -41,8 +41,8 @@ otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on he
 outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md).
 Operands, scales and their folding are those of ``producers.backward_passes`` (its docstring
 and producers): per-token scales on the feature axis (applied to S^T and dP^T), dO^T's per-(sequence,
-channel) scales (applied in dV's epilogue), Q^T and K^T holding each token over its own scale, which is
-folded into dS, P on the static 2^8 scale and dS on a running
+channel) scales (applied in dV's epilogue), Q^T holding each token over its own scale and K^T on its key
+tile's (the forward's operand form), each folded into dS, P on the static 2^8 scale and dS on a running
 per-warpgroup power-of-two scale (rescaling dK's accumulator when it grows). With FP8 scores each
 consumer's running scale also takes the other's of the item's previous step (waited for:
 ``_other_byte``), so both agree on every step but those where one grows and the default warpgroup
@@ -87,7 +87,7 @@ from ..common.persistent import resident_programs
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 from ..portable.backward import launch_deterministic_dq
-from ..producers.rebase import take_backward_copies
+from ..producers.rebase import take_backward_copies, with_key_copies
 from ..producers.backward_passes import (
     Q_DO_FACTOR,
     P_LSE2,
@@ -1063,6 +1063,8 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     # Q's, K's and V's copies from the forward's passes, if it wrote them for this preparation (FP8 scores only).
     kept_q, kept_kv = take_backward_copies(q, k, v, offsets_q, offsets_k, options)
     exact = scores == "bf16"
+    if not exact:  # K as the forward's operand, kept or made now
+        kept_kv = with_key_copies(kept_kv, k, offsets_k, options)
     prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact, dlse=dlse,
                     q_copies=None if exact else kept_q, kv_copies=None if exact else kept_kv, **options)
     if prep.total_k > 0:
