@@ -339,6 +339,19 @@ def _rebase_pass_for_sm90(kernel: str, pointers: dict, constexprs: dict, num_war
     return ptx, report
 
 
+def _feature_rebase_from_bf16_for_sm90(exact: bool, group: int, copies: bool, copy_group: int, num_warps: int) -> tuple:
+    """(PTX, ptxas report) of the feature rebase from bf16 as the launcher runs it (FEATURE_CHUNK tokens a chunk,
+    the NaN/Inf check, K^T's copy in ``DS_ORDER``, whole slots), compiled for sm_90."""
+    constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
+                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
+                      COPY_GROUP=copy_group, ORDER=int(layout.DS_ORDER), INTERPRET=False)
+    pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
+                    factor="*fp32", nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32",
+                    copy_token_scale="*fp32", copy_sequence="*fp8e4nv")
+    return _rebase_pass_for_sm90("_rebase_feature_kernel", pointers, constexprs, num_warps,
+                                 [*pointers, "padded"])  # padded: whole slots
+
+
 @pytest.mark.parametrize("exact, group, copies, copy_group", [
     (True, 1, False, 1), (False, 1, False, 1), (False, 128, False, 1),
     (False, 128, True, rebase.TOKENS_PER_PROGRAM),  # K's pass as training runs it
@@ -351,15 +364,8 @@ def test_feature_rebase_from_bf16_compiles_lean_for_sm90(exact, group, copies, c
     also where it writes the backward's copies of K or Q (``copies``: K^T from the operand's own bytes in the
     rebase loop; Q's read again, its copy on one scale per token or per chunk, the largest of the chunk's bytes
     its rebase formed)."""
-    constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK, GROUP=group,
-                      FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=exact, CHECK_FINITE=True, COPIES=copies,
-                      COPY_GROUP=copy_group, ORDER=int(layout.DS_ORDER), INTERPRET=False)
-    pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*bf16" if exact else "*fp8e4nv",
-                    factor="*fp32", nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32",
-                    copy_token_scale="*fp32", copy_sequence="*fp8e4nv")
     config = rebase.FEATURE_COPIES_CONFIG if copies else rebase.FEATURE_CONFIG
-    _, report = _rebase_pass_for_sm90("_rebase_feature_kernel", pointers, constexprs, config["num_warps"],
-                                      [*pointers, "padded"])  # padded: whole slots
+    _, report = _feature_rebase_from_bf16_for_sm90(exact, group, copies, copy_group, config["num_warps"])
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
 
 
@@ -369,16 +375,9 @@ def test_k_pass_converts_k_transposed_on_its_own_for_sm90():
     cast's pairs for the operand's store and left the transpose's byte moves reading registers no conversion
     wrote (K^T's bytes wrong on an H100, docs/perf-history.md v68). So the pass holds more e4m3 conversions
     than without the copies, and its SASS keeps every one."""
-    def conversions(copies):
-        constexprs = dict(HEADS=16, D=128, BLOCK_T=rebase.TOKENS_PER_PROGRAM, CHUNK=rebase.FEATURE_CHUNK,
-                          GROUP=rebase.TOKENS_PER_PROGRAM, FROM_HIGH_PRECISION=True, FLOOR=False, EXACT=False,
-                          CHECK_FINITE=True, COPIES=copies, COPY_GROUP=rebase.TOKENS_PER_PROGRAM,
-                          ORDER=int(layout.DS_ORDER), INTERPRET=False)
-        pointers = dict(src="*bf16", scales="*u8", offsets="*i32", work="*i32", dst="*fp8e4nv", factor="*fp32",
-                        nonfinite="*fp32", copy_feature="*fp8e4nv", copy_scale="*fp32", copy_token_scale="*fp32",
-                        copy_sequence="*fp8e4nv")
-        ptx, _ = _rebase_pass_for_sm90("_rebase_feature_kernel", pointers, constexprs,
-                                       rebase.FEATURE_COPIES_CONFIG["num_warps"], [*pointers, "padded"])
+    def conversions(copies):  # at one launch config, so that both hold as many elements a thread
+        ptx, _ = _feature_rebase_from_bf16_for_sm90(False, rebase.TOKENS_PER_PROGRAM, copies, rebase.TOKENS_PER_PROGRAM,
+                                                    rebase.FEATURE_COPIES_CONFIG["num_warps"])
         count = ptx.count("cvt.rn.satfinite.e4m3x2.f32")
         assert sass(ptx, 90).count("F2FP.SATFINITE.E4M3.F32") == count
         return count

@@ -423,9 +423,10 @@ def scale_args(mx: MXFP8Jagged | None, axis: str, total: int, batch: int, dim: i
 
 def _rebase_feature(values, offsets, mx, rounding, group, exact, work, nonfinite=None, copies=None,
                     order=layout.NATURAL_ORDER, copy_group=1):
-    """``copies``: a :class:`Quantized` with the backward's copies of Q or K allocated (:func:`_token_copies`),
-    written in the same pass, the feature copy on one scale per ``copy_group`` tokens, the transposed one's
-    tokens in ``order``; None: none."""
+    """``copies``: a :class:`Quantized` with the backward's copies of Q allocated (:func:`_token_copies`), written
+    in the same pass, the feature copy on one scale per ``copy_group`` tokens, the transposed one's tokens in
+    ``order``; or K's (:func:`_key_copies`, no feature copy: ``copy_group`` the whole tile, the operand is it);
+    None: none."""
     if TOKENS_PER_PROGRAM % group:
         raise ValueError(f"tokens per exponent must divide {TOKENS_PER_PROGRAM}, got {group}")
     total, heads, dim = values.shape
@@ -641,14 +642,16 @@ def quantize_rebase_kv(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, 
     work = slot_tiles(offsets, total)
     k_flag, v_flag = (None, None) if nonfinite is None else (nonfinite[:1], nonfinite[1:])
     if keep_for is None:
-        return (*_rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag),
-                *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag))
-    padded = padded_total(total, offsets.numel() - 1)
-    k_copies, v_copies = _key_copies(k, padded), _value_copies(v, padded)
-    key_order, value_group = _copies_spec(keep_for)
-    operands = (*_rebase_key_copies(k, offsets, k_copies, key_order, work, k_flag),
-                *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
-    _keep_copies((k, v, offsets), "backward copies", _copies_spec(keep_for), (k_copies, v_copies))
+        k_operand = _rebase_feature(k, offsets, None, "rceil", group, exact, work, k_flag)
+        v_copies, value_group = None, 1
+    else:
+        padded = padded_total(total, offsets.numel() - 1)
+        k_copies, v_copies = _key_copies(k, padded), _value_copies(v, padded)
+        key_order, value_group = _copies_spec(keep_for)
+        k_operand = _rebase_key_copies(k, offsets, k_copies, key_order, work, k_flag)
+    operands = (*k_operand, *_rebase_sequence(v, offsets, None, "rceil", work, v_order, v_flag, v_copies, value_group))
+    if keep_for is not None:
+        _keep_copies((k, v, offsets), "backward copies", _copies_spec(keep_for), (k_copies, v_copies))
     return operands
 
 
