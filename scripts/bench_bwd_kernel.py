@@ -56,7 +56,7 @@ def profile_step(w: Workload, backend: str) -> None:
 
 
 def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -> None:
-    from jagged_attn.kernels.producers import backward_passes, rebase
+    from jagged_attn.kernels.producers import backward_passes
     from jagged_attn.kernels.sm90 import backward as sm90_backward
     from jagged_attn.offsets import validate_offsets
 
@@ -65,12 +65,8 @@ def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
     options = sm90_backward.preparation(not accumulate_dq)
-    # With FP8 scores K's copies in the form that version's backward reads them: the forward's operand form where
-    # it has ``with_key_copies`` (as its ``sm90_backward.backward_into`` makes them), else ``Prepared``'s own.
-    with_key_copies = getattr(rebase, "with_key_copies", None)
-    kv_copies = None if exact_scores or with_key_copies is None else with_key_copies(None, w.k, w.offsets_k, options)
     prep = backward_passes.Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k,
-                                    exact_scores=exact_scores, kv_copies=kv_copies, **options)
+                                    exact_scores=exact_scores, **options)
     dq_accum = sm90_backward.dq_accumulator(prep, "cuda")
     dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
 

@@ -555,8 +555,9 @@ def test_deterministic_preparation_passes_the_launch_check():
 
 def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     """With ``exact_scores`` (the GPU default) the producers give the feature copies of Q, K (S's
-    operands) and of V, dO (dP's) as bf16 holding exactly the MX values of the FP8 preparation;
-    every other output (sequence copies, scales, Delta, lse2) is the same."""
+    operands) and of V, dO (dP's) as bf16 holding exactly the MX values of the FP8 preparation, one
+    scale per token (K's: of its e4m3 copies on per-token scales, which the FP8 path replaces by the
+    forward's operand form); every other output (sequence copies, scales, Delta, lse2) is the same."""
     # No empty sequence: its slot of the sequence copies is never written (nor read).
     q, k, v, dout, offsets_q, offsets_k = make_inputs([3, 1, 33, 70], [5, 2, 64, 129], 4, 2, 64, kind="heavy")
     out, lse = forward_of(q, k, v, offsets_q, offsets_k, False, 0.125)
@@ -565,8 +566,10 @@ def test_exact_products_read_bf16_copies_of_every_operand_of_s_and_dp():
     exact = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, **GLUON_PREPARATION,
                                  exact_scores=True)
     assert exact.query_scale_tokens == exact.value_scale_tokens == 1
+    k_per_token, _, _ = backward_passes.quantize_for_backward(k, offsets_k, feature=True, sequence=True,
+                                                              normalize_tokens=True, order=fp8.key_order)
     for name in ("q", "k", "v", "do"):
-        a, b = getattr(fp8, name), getattr(exact, name)
+        a, b = k_per_token if name == "k" else getattr(fp8, name), getattr(exact, name)
         assert b.feature.dtype == torch.bfloat16, name
         assert torch.equal(b.feature.float(), mx_values(a)), name
         assert torch.equal(b.feature_scale, a.feature_scale), name
@@ -1152,7 +1155,7 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     """``quantize_rebase_kv`` with ``keep_for``: from one read of K and V, the forward's operands (the bytes
     it makes without) and the backward's copies of K and V, kept for ``take_kv_copies``: K's operand itself
     as its feature copy, each token's factor its tile's, and K^T holding the operand's bytes in ``key_order``
-    (the whole slot, zeros past the end), as ``with_key_copies`` makes them where nothing was kept; V's, the
+    (the whole slot, zeros past the end), as ``rebase.key_copies`` makes them where nothing was kept; V's, the
     bytes ``quantize_for_backward`` makes (its feature copy on one scale per ``value_group`` tokens); on ragged
     lengths around the tiles, GQA heads, heavy-tailed tokens; compiled for the GPU, as interpreted."""
     lengths = [0, 1, 31, 32, 33, 127, 128, 129, 300]
@@ -1191,7 +1194,7 @@ def test_forward_passes_write_the_backward_copies_of_k_and_v(key_order, value_gr
     columns = torch.tensor(slots, device=device)
     ordered = columns // 128 * 128 + key_slot(columns % 128)
     assert torch.equal(k_copy.sequence[..., ordered].view(torch.uint8), natural[..., columns])
-    made, _ = rebase.with_key_copies(None, k, offsets, preparation)  # V's then made by Prepared
+    made = rebase.key_copies(k, offsets, key_order)  # what Prepared makes where nothing was kept
     assert torch.equal(made.feature.view(torch.uint8), k_data.view(torch.uint8))
     assert torch.equal(made.feature_scale, k_copy.feature_scale)
     assert torch.equal(made.sequence[..., slots].view(torch.uint8), k_copy.sequence[..., slots].view(torch.uint8))

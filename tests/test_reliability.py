@@ -63,6 +63,7 @@ def test_backward_producer_refuses_row_vectors_of_another_shape():
     assert run_child("""
         import torch
         from jagged_attn.kernels.producers import backward_passes
+        from jagged_attn.kernels.producers.copies import Quantized
         from jagged_attn.offsets import offsets_from_lengths, padded_total
         dout = torch.randn(75, 2, 64)
         offsets = offsets_from_lengths(torch.tensor([70, 5]))
@@ -71,7 +72,7 @@ def test_backward_producer_refuses_row_vectors_of_another_shape():
             rows = torch.empty(backward_passes.ROW_VECTORS.value, heads, tokens)
             try:
                 backward_passes.quantize_for_backward(dout, offsets, feature=True, sequence=True, out=out, lse=lse,
-                                                      rows=rows, query=backward_passes.Quantized(
+                                                      rows=rows, query=Quantized(
                                                           feature_scale=token_scale, token_scale=token_scale))
             except ValueError as error:
                 assert "rows must be" in str(error), error

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import bounds, fp8
 from ..producers import backward_passes
-from ..producers.rebase import take_backward_copies, with_key_copies
+from ..producers.rebase import take_backward_copies
 from . import HEAD_DIMS
 from ..common.layout import (
     LOG2E,
@@ -450,7 +450,6 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
         return
     options = preparation()
     kept_q, kept_kv = take_backward_copies(q, k, v, offsets_q, offsets_k, options)
-    kept_kv = with_key_copies(kept_kv, k, offsets_k, options)  # K as the forward's operand, kept or made now
     prep = backward_passes.Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, dlse=dlse, q_copies=kept_q,
                                     kv_copies=kept_kv, **options)
     tiles = dict(tile_config(q.device) if tiles is None else tiles)

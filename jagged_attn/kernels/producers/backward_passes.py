@@ -34,7 +34,7 @@ kept constant along the reduction of the GEMM that reads it and applied outside 
     2^-6, i.e. none but of elements over ~2^13.8 below their token's largest (whose absolute error
     stays under 2^-10, against up to 16 for the token's largest elements), and it would cost a pass
     over the tensor for its maxima. K's copy holds the same bytes as its feature copy, transposed. On the
-    FP8 path K takes the forward's operand form instead (``rebase.with_key_copies``): one exponent per
+    FP8 path K takes the forward's operand form instead (``rebase.key_copies``): one exponent per
     128-key tile for its feature copy (the forward's operand itself) and K^T alike, each token's factor its
     tile's, so K enters the backward's S^T as it entered the forward's S; only elements over ~2^14.8 below
     their tile's largest lose bits there, as in the forward.
@@ -74,6 +74,8 @@ from ..common.layout import (
     store_sequence_copy,
 )
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
+from .copies import Quantized, token_normalized_pairs, token_scale_byte
+from .rebase import key_copies
 
 PRODUCER_TILE = SLOT_TOKENS  # tokens per producer program: one padded slot (a token ORDER permutes within it)
 # Warps of the producer's two passes and of the dQ finish pass, the fastest measured (four each against
@@ -122,21 +124,6 @@ def _load_tile(x_ptr, seq_start, seq_len, tile, h, HEADS: tl.constexpr, HEAD_DIM
     natural = (seq_start + rows)[:, None] * (HEADS * HEAD_DIM) + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     x = tl.load(x_ptr + natural, mask=in_seq[:, None], other=0.0).to(tl.float32)
     return x, natural, rows, in_seq
-
-
-@triton.jit
-def token_scale_byte(x):
-    """Per-row E8M0 byte of a ``[rows, D]`` tile: the head_dim-axis scale of each token."""
-    return scale_byte_of_amax(tl.max(tl.abs(x), axis=1), False)
-
-
-@triton.jit
-def token_normalized_pairs(x, token_byte, INTERPRET: tl.constexpr):
-    """The e4m3 values of the transposed copies of Q and K: an fp32 ``[rows, D]`` tile, each token over its own
-    head_dim scale (``token_byte`` ``[rows]``, :func:`token_scale_byte`), converted by
-    ``fp8.to_e4m3_paired_apart``, since K's feature copy casts these very values too. The forward's K and Q
-    passes write them as well (``keep_for`` of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
-    return fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
 
 
 @triton.jit
@@ -275,33 +262,6 @@ def check_inputs(dout, q, k, v, out, lse, dlse, head_dims) -> None:
             raise ValueError(f"{name} must be [total_q, Hq] = {tuple(q.shape[:2])}, got {tuple(t.shape)}")
 
 
-class Quantized:
-    """What the producer wrote for one tensor (unrequested fields stay None): ``token_scale`` is each
-    token's own head_dim scale (what a normalized sequence copy was divided by), ``feature_scale``
-    itself unless tokens share one."""
-
-    def __init__(self, feature=None, feature_scale=None, token_scale=None, sequence=None, sequence_scale=None):
-        self.feature, self.feature_scale, self.token_scale = feature, feature_scale, token_scale
-        self.sequence, self.sequence_scale = sequence, sequence_scale
-
-    @classmethod
-    def unwritten(cls, x, padded: int, *, feature_dtype=None, feature_group: int = 1, sequence_dtype=None):
-        """Empty buffers for the copies of ``x [total, H, D]`` a producer writes: the feature copy in
-        ``feature_dtype`` with its scales ``[H, total]`` and each token's own (the same tensor unless
-        ``feature_group`` tokens share a scale), and the transposed copy ``[H, D, padded]`` in ``sequence_dtype``
-        (None: no such copy); no sequence scales."""
-        (total, heads, dim), device = x.shape, x.device
-        copies = cls()
-        if feature_dtype is not None:
-            copies.feature = torch.empty(x.shape, dtype=feature_dtype, device=device)
-            copies.feature_scale = torch.empty(heads, total, dtype=torch.float32, device=device)
-            copies.token_scale = (copies.feature_scale if feature_group == 1 else
-                                  torch.empty(heads, total, dtype=torch.float32, device=device))
-        if sequence_dtype is not None:
-            copies.sequence = torch.empty(heads, dim, padded, dtype=sequence_dtype, device=device)
-        return copies
-
-
 def quantize_for_backward(x, offsets, *, feature, sequence, normalize_tokens=False, group=1, out=None, lse=None,
                           dlse=None, order=NATURAL_ORDER, feature_dtype=torch.float8_e4m3fn, feature_group=1,
                           sequence_dtype=torch.float8_e4m3fn, tiles=None, rows=None, query=None):
@@ -390,8 +350,9 @@ class Prepared:
         ``query_scale_tokens``, ``value_scale_tokens``: tokens sharing a scale in Q's and V's e4m3 feature copies
         (``quantize_for_backward``'s ``feature_group``; the exact-scores copies keep one per token); ``dlse``: the
         LSE's gradient, taken into Delta (None: none); ``q_copies``, ``kv_copies``: Q's, and K's and V's, copies
-        (``Quantized``) written beforehand (the forward's passes: ``rebase.take_backward_copies``; K's on the FP8
-        path always: ``rebase.with_key_copies``), or None (either of the pair too): made here."""
+        (``Quantized``) written beforehand (the forward's passes: ``rebase.take_backward_copies``), or None
+        (either of the pair too): made here, K's with FP8 scores in the forward's operand form
+        (``rebase.key_copies``)."""
         self.query_order, self.key_order = query_order, key_order
         self.do_order = query_order if do_order is None else do_order
         self.heads_q, self.heads_kv, self.dim = q.shape[1], k.shape[1], q.shape[2]
@@ -422,9 +383,11 @@ class Prepared:
                                                  feature_group=self.query_scale_tokens, tiles=self.tiles_q)
         self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
         self.k, self.v = (None, None) if kv_copies is None else kv_copies
-        if self.k is None:
+        if self.k is None and exact_scores:
             self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
                                                  order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+        elif self.k is None:  # K as the forward's operand
+            self.k = key_copies(k, offsets_k, key_order, self.tiles_k)
         if self.v is None:
             self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False,
                                                  feature_dtype=score_dtype, feature_group=self.value_scale_tokens,

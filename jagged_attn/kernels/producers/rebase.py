@@ -44,7 +44,7 @@ from jagged_attn.mxfp8 import MXFP8Jagged, scale_col_tiles
 from jagged_attn.offsets import padded_total
 
 from ..common import fp8, layout, reuse
-from .backward_passes import Quantized, token_normalized_pairs, token_scale_byte
+from .copies import Quantized, token_normalized_pairs, token_scale_byte
 from .quantize import block_scale_bytes, flag_nonfinite, max_keeping_nan
 from ..common.schedule import SLOT_TOKENS, claimed_tile, slot_tiles
 
@@ -598,16 +598,13 @@ def _rebase_key_copies(k, offsets, copies, key_order, work, nonfinite=None):
     return operand
 
 
-def with_key_copies(kv_copies, k: torch.Tensor, offsets: torch.Tensor, preparation: dict):
-    """``kv_copies`` (:func:`take_backward_copies`'s K and V copies, or None) with K's made now where the forward
-    kept none, so that the FP8 backward always reads K in the form of the forward's operand (and V's None then:
-    ``Prepared`` makes them)."""
-    if kv_copies is not None:
-        return kv_copies
-    padded = padded_total(k.shape[0], offsets.numel() - 1)
-    copies = _key_copies(k, padded)
-    _rebase_key_copies(k, offsets, copies, _copies_spec(preparation)[0], slot_tiles(offsets, k.shape[0]))
-    return copies, None
+def key_copies(k: torch.Tensor, offsets: torch.Tensor, key_order, tiles: torch.Tensor | None = None) -> Quantized:
+    """K's copies for the FP8 backward where the forward kept none (:func:`_key_copies`, K^T in ``key_order``),
+    made now by the pass that makes the forward's operand of K, so that the backward reads K in that form
+    (``tiles``: ``offsets``' slot table, made here when not given)."""
+    copies = _key_copies(k, padded_total(k.shape[0], offsets.numel() - 1))
+    _rebase_key_copies(k, offsets, copies, key_order, slot_tiles(offsets, k.shape[0]) if tiles is None else tiles)
+    return copies
 
 
 def _copies_spec(preparation: dict) -> tuple[int, int]:

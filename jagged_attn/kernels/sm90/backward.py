@@ -87,7 +87,7 @@ from ..common.persistent import resident_programs
 from ..common.schedule import work_list
 from ..common.tma import operand_descriptor
 from ..portable.backward import launch_deterministic_dq
-from ..producers.rebase import take_backward_copies, with_key_copies
+from ..producers.rebase import take_backward_copies
 from ..producers.backward_passes import (
     Q_DO_FACTOR,
     P_LSE2,
@@ -1063,8 +1063,6 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, offsets_q, offsets_k, *, 
     # Q's, K's and V's copies from the forward's passes, if it wrote them for this preparation (FP8 scores only).
     kept_q, kept_kv = take_backward_copies(q, k, v, offsets_q, offsets_k, options)
     exact = scores == "bf16"
-    if not exact:  # K as the forward's operand, kept or made now
-        kept_kv = with_key_copies(kept_kv, k, offsets_k, options)
     prep = Prepared(dout, q, k, v, out, lse, offsets_q, offsets_k, exact_scores=exact, dlse=dlse,
                     q_copies=None if exact else kept_q, kv_copies=None if exact else kept_kv, **options)
     if prep.total_k > 0:
