@@ -22,10 +22,11 @@ def token_scale_byte(x):
 
 @triton.jit
 def token_normalized_pairs(x, token_byte, INTERPRET: tl.constexpr):
-    """The e4m3 values of the transposed copies of Q and K: an fp32 ``[rows, D]`` tile, each token over its own
-    head_dim scale (``token_byte`` ``[rows]``, :func:`token_scale_byte`), converted by
-    ``fp8.to_e4m3_paired_apart``, since K's feature copy casts these very values too. The forward's K and Q
-    passes write them as well (``keep_for`` of ``rebase.quantize_rebase_kv`` and ``quantize_rebase_feature``)."""
+    """The e4m3 values of the token-normalized transposed copies (Q's; K's on the exact-scores path, where K's
+    feature copy casts these very values too, hence ``fp8.to_e4m3_paired_apart``): an fp32 ``[rows, D]`` tile,
+    each token over its own head_dim scale (``token_byte`` ``[rows]``, :func:`token_scale_byte`). The forward's
+    Q pass writes them as well (``keep_for`` of ``rebase.quantize_rebase_feature``); K's FP8 copies take the
+    forward's operand form instead (``rebase.key_copies``)."""
     return fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
 
 
