@@ -64,9 +64,8 @@ def time_backward_kernel(w: Workload, accumulate_dq: bool, exact_scores: bool) -
         validate_offsets(offsets, rows)  # as the public call does (dQ's accumulator dtype reads what it learns)
     out = torch.randn_like(w.q)
     lse = torch.randn(w.q.shape[0], w.heads, device="cuda") + 8
-    options = sm90_backward.preparation(not accumulate_dq)
     prep = backward_passes.Prepared(w.dout, w.q, w.k, w.v, out, lse, w.offsets_q, w.offsets_k,
-                                    exact_scores=exact_scores, **options)
+                                    exact_scores=exact_scores, **sm90_backward.preparation(not accumulate_dq))
     dq_accum = sm90_backward.dq_accumulator(prep, "cuda")
     dk, dv = torch.full_like(w.k, float("nan")), torch.full_like(w.v, float("nan"))
 

@@ -126,7 +126,7 @@ def rebased_feature_rows(
     x, byte = feature_rows(src, scales, head, seq, start, length, rows, scale_bytes_per_head, n_col_tiles,
                            HEADS, D, BLOCK_T, FROM_HIGH_PRECISION, FLOOR, INTERPRET)
     group_byte = tl.max(tl.reshape(tl.max(byte, axis=1), (BLOCK_T // GROUP, GROUP)), axis=1)
-    return _onto_group_bytes(x, byte, group_byte, D, BLOCK_T, GROUP, INTERPRET), group_byte
+    return fp8.to_e4m3(_onto_group_values(x, byte, group_byte, D, BLOCK_T, GROUP), INTERPRET), group_byte
 
 
 @triton.jit
@@ -136,13 +136,6 @@ def _onto_group_values(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constex
     rounded onto e4m3's grid."""
     row_byte = tl.reshape(tl.broadcast_to(group_byte[:, None], (BLOCK_T // GROUP, GROUP)), (BLOCK_T,))
     return tl.reshape(x * layout.byte_ratio(byte, row_byte[:, None])[:, :, None], (BLOCK_T, D))
-
-
-@triton.jit
-def _onto_group_bytes(x, byte, group_byte, D: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
-                      INTERPRET: tl.constexpr):
-    """:func:`_onto_group_values` as e4m3 ``[BLOCK_T, D]``."""
-    return fp8.to_e4m3(_onto_group_values(x, byte, group_byte, D, BLOCK_T, GROUP), INTERPRET)
 
 
 @triton.jit
