@@ -30,7 +30,6 @@ def token_normalized_pairs(x, token_byte, INTERPRET: tl.constexpr):
     return fp8.to_e4m3_paired_apart(x * scale_factor(token_byte)[:, None], INTERPRET)
 
 
-
 class Quantized:
     """What the producer wrote for one tensor (unrequested fields stay None): ``token_scale`` is each
     token's own head_dim scale (what a normalized sequence copy was divided by), ``feature_scale``
