@@ -602,15 +602,17 @@ def test_fp16_do_copy_holds_the_e4m3_values():
                           (128, False, True, False, False, torch.bfloat16),
                           (128, False, True, False, True, torch.float32),
                           (128, True, True, False, False, torch.bfloat16),
-                          (64, False, False, True, True, torch.bfloat16)])
+                          (64, False, False, True, True, torch.bfloat16),
+                          (64, False, True, False, False, torch.bfloat16)])
 def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accumulate_dq, exact_scores, in_turn,
                                                               dq_dtype):
     """FP8 wgmma for dK and dQ, fp16 wgmma for dV (P^T's e4m3 values and dS^T straight from registers),
     S^T and dP^T by bf16 wgmma with ``exact_scores`` (FP8 without), the default warpgroup (loads, dQ)
     beside two consumer warpgroups (setmaxnreg), TMA loads; dQ by TMA reduce-adds only when accumulated,
     in either dtype of its sums (the dQ loop spill-free with bf16 ones), in pieces that fit the shared
-    memory (``dq_piece``); and no wgmma serialized by ptxas, which it does to every wgmma of the kernel
-    when one partition is short of registers (note C7512: 23.9 against 21.7 ms on an H200); and no
+    memory (``dq_piece``), staged and added a group at a time (``_dq_group``); and no wgmma serialized by
+    ptxas, which it does to every wgmma of the kernel when one partition is short of registers (note C7512:
+    23.9 against 21.7 ms on an H200); and no
     shuffle reductions: each consumer's |dS| tile maximum is one ``redux.sync`` per warp (``_tile_amax``;
     gl.max's shuffle rounds were 17% of the consumers' stall samples); one item a program, the unmasked
     steps' loop selects nothing (a mask's 32 predicated selects, or a branch around it, cost every
@@ -669,6 +671,12 @@ def test_gluon_kernel_compiles_to_fp8_and_fp16_wgmma_for_sm90(dim, causal, accum
     # costs that step a warpgroup barrier and address work, and its instructions set the kernel's pace).
     if accumulate_dq:
         assert sum("UTMALDG" in x for x in dq_steps[0]) == 6
+    # Its pieces are staged and added a group at a time (_dq_group: pairs with FP8 scores at head_dim 128),
+    # each group after one fence and one barrier, in both scale paths (products chained, or rescaled first).
+    if accumulate_dq:
+        pieces = dim // piece
+        fences = sum("MEMBAR" in x for x in dq_steps[0])
+        assert fences == 2 * pieces // sm90_backward._dq_group(exact_scores, pieces)
 
 
 @pytest.mark.parametrize("tensor", ["dout", "dout+dlse", "dout-fp8", "q", "q-fp8", "k", "k-fp8", "v-fp8"])

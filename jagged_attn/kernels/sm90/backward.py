@@ -14,8 +14,9 @@ consumer warpgroups, 64 keys each, run per stage::
 where publishing stores dS (e4m3, queries x keys) in shared memory from registers as 16-bit key pairs
 by transposing ``stmatrix`` stores (keys in ``layout.ds_key_slot`` order, which the producer gives K^T
 too); the default warpgroup then forms the tile's dQ partial = dS K over both consumers' keys, 32
-columns at a time, and adds it to global memory with TMA bulk reduce-adds. So the consumers never wait
-for each other (an earlier form coupled them through the per-step dS exchange, each computing half of dQ).
+columns at a time, and adds it to global memory with TMA bulk reduce-adds (with FP8 scores it stages
+two pieces per fence and barrier: ``DqStaging``). So the consumers never wait for each other (an earlier
+form coupled them through the per-step dS exchange, each computing half of dQ).
 
 FP8 wgmma accumulates with truncated alignment: each add loses low bits towards zero against the
 running sum, so a sum chained over many small steps comes out biased small. dK's FP8 wgmma therefore
@@ -115,6 +116,16 @@ VECTOR_BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, elem
 # Columns of one dQ reduce-add box (the piece's accumulator: 16 registers); ``dq_piece`` halves it where
 # shared memory is short, and the kernel takes the width from its dQ descriptor's box.
 DQ_PIECE = 32
+
+
+@constexpr_function
+def _dq_group(exact, pieces):
+    """dQ pieces staged and added per fence and barrier (:class:`DqStaging`): two with FP8 scores, where a
+    step's pieces come in whole pairs of groups; one with exact scores, whose bf16 operands leave no
+    shared memory for the two more buffers."""
+    return 1 if exact or pieces % 4 else 2
+
+
 # dQ's partials are staged and added in bf16 where every key sequence is known to hold at most this many
 # keys: half the bytes of fp32 through shared memory, in the L2's reduce-adds, the zero fill and the finish
 # pass. Each add rounds the running sum to 8 bits: simulated, dQ moves by 0.5% at 2k keys, 1.3% at 16k and
@@ -194,6 +205,36 @@ class DsExchange:
     @constexpr_function
     def __init__(self, ds, byte, ready, free):
         self.ds, self.byte, self.ready, self.free = ds, byte, ready, free
+
+
+@aggregate
+class DqStaging:
+    """Shared memory the dQ warpgroup stages its pieces in for their TMA reduce-adds (``[BLOCK_M, dq_piece]``
+    each). The pieces go in groups of ``group`` with one fence and one barrier a group (:func:`_dq_pieces`); the
+    groups alternate between two sets of ``group`` buffers (``even*`` and ``odd*``), so that one group is
+    written while the adds of the one before read the other set. Each buffer is an allocation of its own:
+    with one allocation of several slots Triton puts a barrier before each store, as it cannot see that
+    the store misses the slot an add reads. With ``group`` 1, ``even1`` and ``odd1`` are ``even0`` and
+    ``odd0``."""
+    even0: gl.shared_memory_descriptor
+    even1: gl.shared_memory_descriptor
+    odd0: gl.shared_memory_descriptor
+    odd1: gl.shared_memory_descriptor
+    group: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, even0, even1, odd0, odd1, group):
+        self.even0, self.even1, self.odd0, self.odd1 = even0, even1, odd0, odd1
+        self.group = gl.constexpr(group)
+
+    @gluon.jit
+    def buffer(self, group_index: gl.constexpr, index: gl.constexpr):
+        """Group ``group_index``'s buffer for its piece ``index``."""
+        if group_index % 2 == 0:
+            buffer = self.even0 if index == 0 else self.even1
+        else:
+            buffer = self.odd0 if index == 0 else self.odd1
+        return buffer
 
 
 @aggregate
@@ -457,10 +498,9 @@ def _other_byte(exchange, i, item_first, CONSUMER: gl.constexpr):
 
 
 @gluon.jit
-def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
-             D: gl.constexpr):
+def _dq_step(i, head, m0, exchange, kt_smem, staging, dq_desc, q_start, D: gl.constexpr):
     """Step i's dQ partial over both consumers' keys, a box of ``dq_desc`` (``dq_piece`` columns) at a time,
-    added into ``dq_desc`` by TMA reduce-adds from the staging buffers ``dq_even`` and ``dq_odd`` in turn.
+    added into ``dq_desc`` by TMA reduce-adds from ``staging`` (:class:`DqStaging`).
     Where both consumers' dS are on one scale (most steps: :func:`_other_byte`), each piece's two products
     chain in one accumulator without a wait in between; elsewhere consumer 0's product is waited for and
     brought to consumer 1's scale (a power-of-two ratio: exact) before consumer 1's product adds to it; see
@@ -470,63 +510,70 @@ def _dq_step(i, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
     byte0 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS))
     byte1 = _shared_scalar(exchange.byte.index(buffer * CONSUMERS + 1))
     if byte0 == byte1:
-        _dq_pieces(buffer, 1.0, layout.scale_value(byte1), head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc,
-                   q_start, D, False)
+        _dq_pieces(buffer, 1.0, layout.scale_value(byte1), head, m0, exchange, kt_smem, staging, dq_desc, q_start,
+                   D, False)
     else:
         scale0 = layout.scale_value(byte0)
         scale1 = gl.maximum(layout.scale_value(byte1), scale0 * (1.0 / MAX_SCALE_RATIO))
-        _dq_pieces(buffer, scale0 / scale1, scale1, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start,
-                   D, True)
+        _dq_pieces(buffer, scale0 / scale1, scale1, head, m0, exchange, kt_smem, staging, dq_desc, q_start, D,
+                   True)
     mbarrier.arrive(exchange.free.index(buffer), count=1)
 
 
 @gluon.jit
-def _dq_pieces(buffer, ratio, scale1, head, m0, exchange, kt_smem, dq_even, dq_odd, dq_desc, q_start, D: gl.constexpr,
+def _dq_pieces(buffer, ratio, scale1, head, m0, exchange, kt_smem, staging, dq_desc, q_start, D: gl.constexpr,
                RESCALED: gl.constexpr):
     """:func:`_dq_step`'s pieces from dS buffer ``buffer``: consumer 0's product times ``ratio`` (RESCALED:
-    waited for first; else ``ratio`` is 1 and the two products chain), plus consumer 1's, times ``scale1``."""
+    waited for first; else ``ratio`` is 1 and the two products chain), plus consumer 1's, times ``scale1``;
+    staged and added ``staging.group`` pieces at a time."""
     COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
     PIECES: gl.constexpr = D // COLUMNS
+    GROUP: gl.constexpr = staging.group
+    # A step's groups end on the odd set, so the next step's first group writes the even one.
+    gl.static_assert(PIECES % (2 * GROUP) == 0)
     piece_layout: gl.constexpr = layout.wgmma_accumulator_layout(COLUMNS)
     zero = gl.zeros([BLOCK_M, COLUMNS], gl.float32, layout=piece_layout)
     ds0 = exchange.ds.index(buffer * CONSUMERS)
     ds1 = exchange.ds.index(buffer * CONSUMERS + 1)
-    for piece in gl.static_range(PIECES):
-        k0 = kt_smem.index(0).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
-        k1 = kt_smem.index(1).slice(piece * COLUMNS, COLUMNS, dim=0).permute((1, 0))
-        part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
-        if RESCALED:
-            part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
-            part = part * ratio
-        part = warpgroup_mma(ds1, k1, part, is_async=True)
-        part, _, _, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0, ds1, k1))
-        staging = dq_even if piece % 2 == 0 else dq_odd
-        staging.store((part * scale1).to(staging.dtype))
+    for group in gl.static_range(PIECES // GROUP):
+        for index in gl.static_range(GROUP):
+            # (A name bound to the piece's index in these unrolled loops would be a tensor, not a constexpr.)
+            k0 = kt_smem.index(0).slice((group * GROUP + index) * COLUMNS, COLUMNS, dim=0).permute((1, 0))
+            k1 = kt_smem.index(1).slice((group * GROUP + index) * COLUMNS, COLUMNS, dim=0).permute((1, 0))
+            part = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
+            if RESCALED:
+                part, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0))
+                part = part * ratio
+            part = warpgroup_mma(ds1, k1, part, is_async=True)
+            part, _, _, _, _ = warpgroup_mma_wait(0, deps=(part, ds0, k0, ds1, k1))
+            staging.buffer(group, index).store((part * scale1).to(dq_desc.dtype))
         fence_async_shared()
-        # One barrier per piece: every thread's part is written, and the issuing thread has seen the
-        # previous piece's add read the other buffer, which the next piece writes.
+        # One barrier per group: every thread's parts are written, and the issuing thread has seen the
+        # previous group's adds read the other set, which the next group writes.
         tma.store_wait(0)
         gl.thread_barrier()
-        _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), head * D + piece * COLUMNS], staging)
+        for index in gl.static_range(GROUP):
+            column = head * D + (group * GROUP + index) * COLUMNS
+            _reduce_add(dq_desc, [(q_start + m0).to(gl.int32), column], staging.buffer(group, index))
 
 
 @gluon.jit
-def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd,
-                            dq_desc, items, padded_q, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+def _load_and_accumulate_dq(q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, staging, dq_desc,
+                            items, padded_q, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE_DQ: gl.constexpr,
                             IN_TURN: gl.constexpr):
     """The default warpgroup over the program's work items (:func:`_for_each_tile`), each by
     :func:`_load_tile_and_accumulate_dq`."""
     _for_each_tile(items, _load_tile_and_accumulate_dq,
-                   (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, dq_even, dq_odd, dq_desc,
-                    padded_q, D, STAGES, ACCUMULATE_DQ), HEADS_Q, HEADS_KV, CAUSAL, IN_TURN)
+                   (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv, staging, dq_desc, padded_q,
+                    D, STAGES, ACCUMULATE_DQ), HEADS_Q, HEADS_KV, CAUSAL, IN_TURN)
     if ACCUMULATE_DQ:
         tma.store_wait(0)  # the last adds have read the staging buffers before the program exits
 
 
 @gluon.jit
 def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_desc, do_desc, dot_desc, rows_desc,
-                                 stages, exchange, kv, dq_even, dq_odd, dq_desc, padded_q, D: gl.constexpr,
+                                 stages, exchange, kv, staging, dq_desc, padded_q, D: gl.constexpr,
                                  STAGES: gl.constexpr, ACCUMULATE_DQ: gl.constexpr):
     """The default warpgroup on one key tile (``item``'s, unused: ``tile`` describes it): streams each
     step's query-side operands into the stage ring (the ring's steps from ``first_step`` on), STAGES steps
@@ -554,7 +601,7 @@ def _load_tile_and_accumulate_dq(item, tile, first_step, kt_phase, q_desc, qt_de
                        stages, tile.q_start, tile.padded_q_start, padded_q, D, STAGES)
             load_head, load_m0 = _next_query_tile(load_head, load_m0, tile.m_lo, tile.m_end)
         if ACCUMULATE_DQ:
-            _dq_step(first_step + i, head, m0, exchange, kv.kt, dq_even, dq_odd, dq_desc, tile.q_start, D)
+            _dq_step(first_step + i, head, m0, exchange, kv.kt, staging, dq_desc, tile.q_start, D)
         head, m0 = _next_query_tile(head, m0, tile.m_lo, tile.m_end)
 
 
@@ -878,11 +925,15 @@ def _attention_backward_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DS_SWIZZLE_BYTES, element_bitwidth=8, rank=2)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * CONSUMERS, BLOCK_M, KEYS_PER_CONSUMER], ds_layout)
     byte_smem = gl.allocate_shared_memory(gl.int32, [2 * CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    # Two staging buffers for the dQ warpgroup's pieces, each read by its TMA reduce-add while the
-    # next piece is written to the other; two allocations, not one of two slots, so that the
-    # compiler sees the store does not race the add and adds no barrier of its own.
-    dq_even = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
-    dq_odd = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+    DQ_GROUP: gl.constexpr = _dq_group(EXACT, D // dq_desc.block_type.shape[1])
+    even0 = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+    odd0 = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+    if DQ_GROUP == 2:
+        even1 = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+        odd1 = gl.allocate_shared_memory(dq_desc.dtype, dq_desc.block_type.shape, dq_desc.layout)
+        staging = DqStaging(even0, even1, odd0, odd1, DQ_GROUP)
+    else:
+        staging = DqStaging(even0, even0, odd0, odd0, DQ_GROUP)
     # Each consumer's [32, 4] exchange of its warps' |dS| maxima (_tile_amax).
     amax_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS * 32, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -911,7 +962,7 @@ def _attention_backward_kernel(
     gl.warp_specialize(
         [
             (_load_and_accumulate_dq, (q_desc, qt_desc, do_desc, dot_desc, rows_desc, stages, exchange, kv,
-                                       dq_even, dq_odd, dq_desc, items, padded_q, HEADS_Q, HEADS_KV, D, STAGES,
+                                       staging, dq_desc, items, padded_q, HEADS_Q, HEADS_KV, D, STAGES,
                                        CAUSAL, ACCUMULATE_DQ, IN_TURN)),
             (_consume, (kv, stages, exchange, amax_smem.slice(0, 32, dim=0), grads, items, batch,
                         softmax_scale, 0, HEADS_Q, HEADS_KV, D, STAGES, CAUSAL, EXACT, ACCUMULATE_DQ,
