@@ -39,7 +39,9 @@ S^T and dP^T come from bf16 wgmmas when the producer stored Q, K, V and dO's MX 
 (``scores="bf16"``, backend ``hopper-exact-scores``: fp32 accumulation, so S and dP are exact, with no
 token scales left to apply) and from FP8 wgmma
 otherwise (~13-bit accumulation: FP8 S moves the gradients by 3e-2 to 2e-1 on heavy-tailed and
-outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md).
+outlier inputs, FP8 dP heavy-tailed dK's cosine against fp64 by up to 2.5e-3; docs/perf-history.md). S^T
+is one chained wgmma: its head_dim halves summed apart in fp32 spilled here and, even with the forward doing
+the same, brought the public call's gradients no closer to fp64 (docs/perf-history.md v72).
 Operands, scales and their folding are those of ``producers.backward_passes`` (its docstring
 and producers): per-token scales on the feature axis (applied to S^T and dP^T), dO^T's per-(sequence,
 channel) scales (applied in dV's epilogue), Q^T holding each token over its own scale and K^T on its key
