@@ -383,11 +383,12 @@ class Prepared:
                                                  feature_group=self.query_scale_tokens, tiles=self.tiles_q)
         self.value_scale_tokens = 1 if exact_scores else value_scale_tokens
         self.k, self.v = (None, None) if kv_copies is None else kv_copies
-        if self.k is None and not exact_scores:  # K as the forward's operand
-            self.k = key_copies(k, offsets_k, key_order, self.tiles_k)
-        elif self.k is None:
-            self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
-                                                 order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+        if self.k is None:
+            if exact_scores:
+                self.k, _, _ = quantize_for_backward(k, offsets_k, feature=True, sequence=True, normalize_tokens=True,
+                                                     order=key_order, feature_dtype=score_dtype, tiles=self.tiles_k)
+            else:  # K as the forward's operand
+                self.k = key_copies(k, offsets_k, key_order, self.tiles_k)
         if self.v is None:
             self.v, _, _ = quantize_for_backward(v, offsets_k, feature=True, sequence=False,
                                                  feature_dtype=score_dtype, feature_group=self.value_scale_tokens,
